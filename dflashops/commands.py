@@ -1,0 +1,107 @@
+"""The commands, independent of their front end: the `dflashops` console script (cli.py) and the
+invoke collection (tasks.py) both call these with the same options."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from dflashops.config.inventory import InventoryFile
+from dflashops.config.playbook import PlaybookFile
+from dflashops.output import escape
+from dflashops.plan import build_plan, topo_order
+from dflashops.preflight import Report, run_preflight, write_outputs
+from dflashops.project import find_inventory, select, split_names
+from dflashops.render import Rendered, render_plan, template_dirs
+
+
+def preflight(
+    out: Console,
+    *,
+    inventory: str | None = None,
+    hosts: list[str] | str | None = None,
+    playbooks: list[str] | None = None,
+    json_path: str | None = None,
+    junit_path: str | None = None,
+) -> int:
+    selection = select(find_inventory(inventory), playbooks or [], split_names(hosts))
+    report = run_preflight(selection)
+    write_outputs(report, json_path, junit_path)
+    print_report(out, report)
+    return 0 if report.ok else 1
+
+
+def print_report(out: Console, report: Report) -> None:
+    for c in report.errors:
+        out.print(f"[red]FAIL[/] {c.check}: {escape(c.message)}")
+    for c in report.warnings:
+        out.print(f"[yellow]WARN[/] {c.check}: {escape(c.message)}")
+    hosts = sorted({r.unit.host.name for r in report.rendered})
+    passed = sum(1 for c in report.checks if c.ok)
+    verdict = "[green]preflight passed[/]" if report.ok else "[red]preflight failed[/]"
+    out.print(
+        f"{verdict}: {len(report.rendered)} units on {len(hosts)} host(s) ({', '.join(hosts) or 'none'}); "
+        f"{passed} checks passed, {len(report.errors)} failed, {len(report.warnings)} warnings"
+    )
+
+
+def render(
+    out: Console,
+    *,
+    inventory: str | None = None,
+    hosts: list[str] | str | None = None,
+    playbooks: list[str] | None = None,
+    out_dir: str | None = None,
+) -> int:
+    """Print the launch scripts, or write them to OUT_DIR/<host>/<unit>.sh for review."""
+    selection = select(find_inventory(inventory), playbooks or [], split_names(hosts))
+    plan = build_plan(selection.inventory, selection.playbooks, selection.hosts)
+    problems = [*selection.problems, *plan.problems]
+    rendered, render_problems = render_plan(
+        plan, template_dirs(b.path for b in selection.playbooks)
+    )
+    problems.extend(render_problems)
+    if problems:
+        for p in problems:
+            out.print(f"[red]error:[/] {escape(str(p))}")
+        out.print(
+            "[red]nothing rendered[/]: fix the problems above (`dflashops preflight` checks everything)"
+        )
+        return 1
+    order = {u.name: i for i, u in enumerate(topo_order(plan.units))}
+    rendered.sort(key=lambda r: (r.unit.host.name, order[r.unit.name]))
+    if out_dir:
+        for path in write_rendered(rendered, Path(out_dir)):
+            out.print(f"wrote {path}")
+        return 0
+    for r in rendered:
+        out.print(f"[bold]# ---- {r.unit.host.name}/{r.unit.name} (fingerprint {r.short}) ----[/]")
+        out.print(escape(r.script), end="")
+    return 0
+
+
+def write_rendered(rendered: list[Rendered], out_dir: Path) -> list[Path]:
+    written = []
+    for r in rendered:
+        host_dir = out_dir / r.unit.host.name
+        host_dir.mkdir(parents=True, exist_ok=True)
+        path = host_dir / f"{r.unit.name}.sh"
+        path.write_text(r.script, encoding="utf-8")
+        path.chmod(0o755)
+        written.append(path)
+    return written
+
+
+def schema(out: Console, *, which: str = "all") -> int:
+    """JSON Schema of the inventory and playbook files, for editors (yaml-language-server)."""
+    schemas = {
+        "inventory": InventoryFile.model_json_schema(),
+        "playbook": PlaybookFile.model_json_schema(),
+    }
+    body = schemas if which == "all" else schemas[which]
+    out.print_json(json.dumps(body)) if out.is_terminal else out.out(
+        json.dumps(body, indent=2), highlight=False
+    )
+    return 0

@@ -1,0 +1,1 @@
+"""User-facing configuration: inventory and playbook models and their YAML loading."""

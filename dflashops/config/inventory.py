@@ -1,0 +1,179 @@
+"""The inventory file: which machines exist, how to reach them, what they hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dflashops.config.types import (
+    Address,
+    EnvName,
+    EnvValue,
+    HostKey,
+    Name,
+    PathStr,
+    Port,
+    User,
+)
+
+HostKeyPolicy = Literal["strict", "accept-new"]
+ConnectionKind = Literal["ssh", "local"]
+
+
+class StrictModel(BaseModel):
+    """Base for user input: unknown keys are errors, values are not coerced between types."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class HostSettings(StrictModel):
+    """Fields that may be set per host or once in `defaults`."""
+
+    user: Annotated[
+        User | None,
+        Field(description="SSH login user (default: ~/.ssh/config, else the local user)."),
+    ] = None
+    port: Annotated[
+        Port | None, Field(description="SSH port (default: ~/.ssh/config, else 22).")
+    ] = None
+    key_file: Annotated[
+        PathStr | None,
+        Field(description="Private key file for SSH; '~' is expanded on the controller."),
+    ] = None
+    connection: Annotated[
+        ConnectionKind | None,
+        Field(description="'ssh' (default) or 'local' (run on this machine without SSH)."),
+    ] = None
+    gpus: Annotated[
+        int | None, Field(ge=0, le=64, description="Number of GPUs on the host (default 0).")
+    ] = None
+    gpu_type: Annotated[
+        str | None, Field(description="GPU model, informational (e.g. 'B200').")
+    ] = None
+    workdir: Annotated[
+        PathStr | None,
+        Field(
+            description="Directory on the host that holds everything dflashops keeps there "
+            "(default '~/dflashops'). For local hosts a relative path is relative to the inventory file."
+        ),
+    ] = None
+    python: Annotated[
+        PathStr | None,
+        Field(
+            description="Interpreter on the host for engines and shipped Python payloads (default 'python3')."
+        ),
+    ] = None
+    host_key_policy: Annotated[
+        HostKeyPolicy | None,
+        Field(
+            description="'strict' (default): the key must be pinned or known. 'accept-new': record on first contact."
+        ),
+    ] = None
+    env: Annotated[
+        dict[EnvName, EnvValue],
+        Field(description="Environment for every unit on the host (merged with defaults.env)."),
+    ] = Field(default_factory=dict)
+    vars: Annotated[
+        dict[Name | str, Any],
+        Field(
+            description="Template variables, usable as {{ name }} in playbook strings (override playbook vars)."
+        ),
+    ] = Field(default_factory=dict)
+
+
+class HostSpec(HostSettings):
+    """One machine."""
+
+    address: Annotated[
+        Address | None,
+        Field(description="Host name, IP address or ~/.ssh/config alias; required for ssh hosts."),
+    ] = None
+    host_key: Annotated[
+        HostKey | None,
+        Field(description="Pinned public host key ('ssh-ed25519 AAAA...'); beats known_hosts."),
+    ] = None
+
+
+class InventoryFile(StrictModel):
+    """inventory.yaml: hosts, defaults applied to every host, and named groups of hosts."""
+
+    defaults: Annotated[
+        HostSettings, Field(description="Applied to every host unless the host overrides it.")
+    ] = Field(default_factory=HostSettings)
+    hosts: Annotated[dict[Name, HostSpec], Field(description="Machines by name.", min_length=1)]
+    groups: Annotated[
+        dict[Name, list[Name]],
+        Field(description="Named lists of hosts; playbooks target hosts or groups."),
+    ] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Host:
+    """A host with defaults applied: what the rest of dflashops works with."""
+
+    name: str
+    connection: ConnectionKind
+    address: str | None
+    port: int | None
+    user: str | None
+    key_file: str | None
+    gpus: int
+    gpu_type: str | None
+    workdir: str
+    python: str
+    host_key: str | None
+    host_key_policy: HostKeyPolicy
+    env: dict[str, str] = field(default_factory=dict)
+    vars: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_local(self) -> bool:
+        return self.connection == "local"
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: Path
+    hosts: dict[str, Host]
+    groups: dict[str, list[str]]
+
+    def expand(self, names: list[str]) -> list[str]:
+        """Host and group names -> host names, in order, without repeats. Unknown names raise KeyError."""
+        out: list[str] = []
+        for name in names:
+            members = self.groups.get(name) or ([name] if name in self.hosts else None)
+            if members is None:
+                raise KeyError(name)
+            out.extend(m for m in members if m not in out)
+        return out
+
+
+def resolve_hosts(spec: InventoryFile, inventory_path: Path) -> dict[str, Host]:
+    """Apply defaults to every host. Pure: raises ValueError per host on incomplete entries."""
+    d = spec.defaults
+    hosts: dict[str, Host] = {}
+    for name, h in spec.hosts.items():
+        connection = h.connection or d.connection or "ssh"
+        workdir = h.workdir or d.workdir or "~/dflashops"
+        if connection == "local" and not workdir.startswith(("/", "~")):
+            workdir = str((inventory_path.parent / workdir).resolve())
+        hosts[name] = Host(
+            name=name,
+            connection=connection,
+            address=h.address,
+            port=h.port or d.port,
+            user=h.user or d.user,
+            key_file=h.key_file or d.key_file,
+            gpus=h.gpus if h.gpus is not None else (d.gpus or 0),
+            gpu_type=h.gpu_type or d.gpu_type,
+            workdir=workdir,
+            python=h.python or d.python or "python3",
+            host_key=h.host_key,
+            host_key_policy=h.host_key_policy or d.host_key_policy or "strict",
+            env={**d.env, **h.env},
+            vars={**d.vars, **h.vars},
+        )
+    return hosts

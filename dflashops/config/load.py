@@ -1,0 +1,248 @@
+"""Turn inventory and playbook files into validated objects, or one ConfigError listing every
+problem as ``file:line:column: field.path: message``."""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from dflashops.config.inventory import Inventory, InventoryFile, resolve_hosts
+from dflashops.config.playbook import PlaybookFile
+from dflashops.config.yamlsource import Document, PathKey, read_yaml
+from dflashops.errors import ConfigError, Problem
+
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Playbook:
+    """A validated playbook and the file it came from (for locations and relative paths)."""
+
+    path: Path
+    spec: PlaybookFile
+    doc: Document
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def validate(doc: Document, model: type[M], what: str) -> M:
+    """Validate a parsed document against a model; every error located in the file."""
+    if doc.data is None:
+        raise ConfigError([Problem(doc.file, f"the file is empty; expected a {what} mapping")])
+    if not isinstance(doc.data, dict):
+        raise ConfigError(
+            [doc.problem((), f"expected a {what} mapping at the top level, got {_kind(doc.data)}")]
+        )
+    try:
+        return model.model_validate(doc.data)
+    except ValidationError as exc:
+        raise ConfigError(located_problems(doc, model, exc)) from None
+
+
+def load_inventory(path: Path) -> Inventory:
+    doc = read_yaml(path)
+    # Cross-references are checked on the raw data too, so they are reported in the same run as
+    # type errors instead of only after those are fixed.
+    problems = _inventory_references(doc)
+    try:
+        spec = validate(doc, InventoryFile, "inventory")
+    except ConfigError as exc:
+        raise ConfigError(exc.problems + problems) from None
+    if problems:
+        raise ConfigError(problems)
+    hosts = resolve_hosts(spec, path)
+    return Inventory(path=path, hosts=hosts, groups={g: list(m) for g, m in spec.groups.items()})
+
+
+def _inventory_references(doc: Document) -> list[Problem]:
+    data = _mapping(doc.data)
+    hosts, defaults, groups = (_mapping(data.get(k)) for k in ("hosts", "defaults", "groups"))
+    problems = []
+    for name, host in hosts.items():
+        if not isinstance(host, dict):
+            continue
+        connection = host.get("connection", defaults.get("connection", "ssh"))
+        if connection == "ssh" and not host.get("address"):
+            problems.append(
+                doc.problem(
+                    ("hosts", name), "an ssh host needs `address` (or set `connection: local`)"
+                )
+            )
+        if connection == "local" and host.get("address"):
+            problems.append(
+                doc.problem(("hosts", name, "address"), "a local host has no address; remove it")
+            )
+    for group, members in groups.items():
+        if group in hosts:
+            problems.append(doc.problem(("groups", group), f"{group!r} is already a host name"))
+        for i, member in enumerate(members if isinstance(members, list) else []):
+            if isinstance(member, str) and member not in hosts:
+                problems.append(doc.problem(("groups", group, i), f"unknown host {member!r}"))
+    return problems
+
+
+def load_playbook(path: Path) -> Playbook:
+    doc = read_yaml(path)
+    return Playbook(path=path, spec=validate(doc, PlaybookFile, "playbook"), doc=doc)
+
+
+def load_playbooks(paths: list[Path]) -> list[Playbook]:
+    """Load every playbook, collecting the problems of all of them before failing."""
+    books: list[Playbook] = []
+    problems: list[Problem] = []
+    for path in paths:
+        try:
+            books.append(load_playbook(path))
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+    names: dict[str, Path] = {}
+    for book in books:
+        if book.name in names:
+            problems.append(
+                book.doc.problem(
+                    ("name",), f"playbook name {book.name!r} is also used by {names[book.name]}"
+                )
+            )
+        names.setdefault(book.name, book.path)
+    if problems:
+        raise ConfigError(problems)
+    return books
+
+
+def _mapping(value: Any) -> dict[Any, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _kind(value: Any) -> str:
+    return {
+        list: "a list",
+        str: "a string",
+        int: "a number",
+        float: "a number",
+        bool: "a boolean",
+    }.get(type(value), type(value).__name__)
+
+
+def located_problems(doc: Document, model: type[BaseModel], exc: ValidationError) -> list[Problem]:
+    """Map pydantic errors onto file positions. Errors from the branches of one union land on the
+    same value; they are merged into one message so a bad value is reported once."""
+    merged: dict[PathKey, list[str]] = {}
+    for err in exc.errors(include_url=False):
+        loc = tuple(err["loc"])
+        path = _data_path(doc.data, loc)
+        if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            path = (*path, "engine")
+        message = _message(err, model, loc, doc, path)
+        bucket = merged.setdefault(path, [])
+        if message not in bucket:
+            bucket.append(message)
+    problems = []
+    for path, messages in merged.items():
+        text = messages[0] if len(messages) == 1 else "invalid value: " + "; or ".join(messages[:4])
+        problems.append(doc.problem(path, text))
+    return problems
+
+
+def _data_path(data: Any, loc: tuple[Any, ...]) -> PathKey:
+    """The part of a pydantic location that names real places in the data (drops union tags and
+    validator names such as 'sglang' or 'function-after[...]')."""
+    path: list[str | int] = []
+    node = data
+    for part in loc:
+        if (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        ):
+            path.append(part)
+            node = node[part]
+        elif (
+            isinstance(node, dict)
+            and isinstance(part, str)
+            and part not in ("[key]",)
+            and not _is_tag(part)
+        ):
+            # A missing or unknown key: name it, positioned at its parent mapping.
+            path.append(part)
+            break
+    return tuple(path)
+
+
+def _is_tag(part: str) -> bool:
+    return (
+        part in {"sglang", "vllm", "stub", "command"} or "[" in part or part.startswith("function-")
+    )
+
+
+def _message(
+    err: Any, model: type[BaseModel], loc: tuple[Any, ...], doc: Document, path: PathKey
+) -> str:
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = _allowed_keys(model, loc[:-1])
+        key = str(loc[-1])
+        hint = ""
+        close = difflib.get_close_matches(key, allowed, n=1)
+        if close:
+            hint = f"; did you mean {close[0]!r}?"
+        elif allowed:
+            hint = f"; allowed here: {', '.join(sorted(allowed))}"
+        return f"unknown key {key!r}{hint}"
+    if kind == "missing":
+        return f"required field `{loc[-1]}` is missing"
+    if kind in ("union_tag_invalid", "union_tag_not_found"):
+        return "`engine` must be one of sglang, vllm, stub, command"
+    msg = str(err["msg"])
+    if msg.startswith("Value error, "):
+        return msg[len("Value error, ") :]
+    value = err.get("input")
+    if isinstance(value, (str, int, float, bool)):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        msg = f"{msg}, got {shown} ({_kind(value)})"
+    return msg
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    """Field names of the model found at ``loc`` (following pydantic's location parts)."""
+    current: Any = model
+    for part in loc:
+        current = _step(current, part)
+        if current is None:
+            return []
+    models = _models_in(current)
+    return sorted({name for m in models for name in m.model_fields}) if len(models) == 1 else []
+
+
+def _step(annotation: Any, part: Any) -> Any:
+    for m in _models_in(annotation):
+        if isinstance(part, str) and part in m.model_fields:
+            return m.model_fields[part].annotation
+    # Containers and union tags: descend into the element type or pick the tagged branch.
+    for m in _models_in(annotation):
+        engine = m.model_fields.get("engine")
+        if engine is not None and part in typing.get_args(engine.annotation):
+            return m
+    origin = typing.get_origin(annotation)
+    if origin in (list, dict):
+        return typing.get_args(annotation)[-1]
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        for arg in typing.get_args(annotation):
+            found = _step(arg, part)
+            if found is not None:
+                return found
+    return None
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+    return []

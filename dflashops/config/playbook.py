@@ -1,0 +1,254 @@
+"""Playbook files: the services and jobs that should run on a set of hosts."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from dflashops.config.inventory import StrictModel
+from dflashops.config.types import FLAG_RE, EnvName, EnvValue, Name, PathStr, Port, Seconds, Text
+
+Scalar = str | int | float | bool
+# `key: value` -> --key value; true -> --key; false/null -> omitted; a list -> --key v1 v2;
+# a mapping -> --key '<compact JSON>' (vLLM's --speculative-config and friends take JSON).
+ArgValue = Scalar | None | list[str | int | float] | dict[str, Any]
+Args = dict[str, ArgValue]
+GpuList = list[Annotated[int, Field(ge=0, le=63)]]
+
+
+def _check_args(args: dict[str, Any]) -> dict[str, Any]:
+    for key in args:
+        if not FLAG_RE.match(key) or key.startswith("-"):
+            raise ValueError(
+                f"argument name {key!r} is not a flag name: write it without leading dashes "
+                "(letters, digits, '-', '_', '.')"
+            )
+    for key, value in args.items():
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if isinstance(item, str) and "\x00" in item:
+                raise ValueError(f"argument {key!r} contains a NUL character")
+    return args
+
+
+class Ready(StrictModel):
+    """How readiness is probed: HTTP GET on the unit's port until 200, never a sleep."""
+
+    timeout: Annotated[Seconds, Field(description="Give up after this long ('20m', '90s').")] = (
+        1200.0
+    )
+    interval: Annotated[Seconds, Field(description="Time between probes ('5s').")] = 5.0
+    path: Annotated[
+        Text | None,
+        Field(description="HTTP path probed for a 200 (default: the engine's health endpoint)."),
+    ] = None
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("/") or any(c.isspace() for c in value)):
+            raise ValueError("a probe path starts with '/' and has no spaces")
+        return value
+
+
+class UnitBase(StrictModel):
+    name: Annotated[
+        Name, Field(description="Unit name (lowercase letters, digits, '-'); unique per host.")
+    ]
+    env: Annotated[
+        dict[EnvName, EnvValue], Field(description="Environment variables for this unit.")
+    ] = Field(default_factory=dict)
+    secret_env: Annotated[
+        dict[EnvName, EnvName],
+        Field(
+            description="VAR_ON_HOST: VAR_ON_CONTROLLER. Taken from the controller's environment at deploy "
+            "time, written to a 0600 file on the host, never into the script or any output."
+        ),
+    ] = Field(default_factory=dict)
+    stop_grace: Annotated[
+        Seconds, Field(description="Time between SIGTERM and SIGKILL when stopping ('30s').")
+    ] = 30.0
+
+    @model_validator(mode="after")
+    def _env_disjoint(self) -> UnitBase:
+        both = sorted(set(self.env) & set(self.secret_env))
+        if both:
+            raise ValueError(f"variables set in both env and secret_env: {', '.join(both)}")
+        return self
+
+
+class Launcher(StrictModel):
+    """A wrapper script that starts vLLM itself, e.g. speculators' launch_vllm.py:
+    `python SCRIPT MODEL [args] -- VLLM_ARGS`."""
+
+    script: Annotated[
+        PathStr,
+        Field(
+            description="Script shipped to the host (relative to the playbook), or 'host:/abs/path' for "
+            "one already on the host (e.g. inside a speculators checkout)."
+        ),
+    ]
+    args: Annotated[Args, Field(description="The launcher's own flags, placed before '--'.")] = (
+        Field(default_factory=dict)
+    )
+
+    _args = field_validator("args")(_check_args)
+
+
+class ServiceBase(UnitBase):
+    engine: Annotated[
+        Literal["sglang", "vllm", "stub", "command"],
+        Field(description="sglang | vllm | stub (dflashops' CPU stand-in) | command (any argv)."),
+    ]
+    replicas: Annotated[
+        int,
+        Field(ge=1, le=64, description="Independent copies; replica i is unit NAME-i on port + i."),
+    ] = 1
+    port: Annotated[
+        Port | None, Field(description="Port of replica 0; replica i listens on port + i.")
+    ] = None
+    bind: Annotated[Text, Field(description="Address the server listens on (engines' --host).")] = (
+        "127.0.0.1"
+    )
+    gpus: Annotated[
+        Literal["auto"] | GpuList,
+        Field(
+            description="'auto' (allocated in playbook order) or an explicit list of GPU indices, "
+            "tp*dp per replica, in replica order."
+        ),
+    ] = "auto"
+    ready: Annotated[Ready, Field(description="Readiness probe settings.")] = Field(
+        default_factory=Ready
+    )
+    args: Annotated[
+        Args, Field(description="Extra engine flags: `key: value` -> --key value, true -> --key.")
+    ] = Field(default_factory=dict)
+
+    _args = field_validator("args")(_check_args)
+
+
+class ModelService(ServiceBase):
+    model: Annotated[PathStr, Field(description="Model path on the host or hub id.")]
+    tp: Annotated[int, Field(ge=1, le=64, description="Tensor parallel size per replica.")] = 1
+    dp: Annotated[int, Field(ge=1, le=64, description="Data parallel size per replica.")] = 1
+
+
+class SglangService(ModelService):
+    engine: Literal["sglang"]
+
+
+class StubService(ModelService):
+    """dflashops' own CPU stand-in with SGLang's core flags and endpoints (not a real engine)."""
+
+    engine: Literal["stub"]
+
+
+class VllmService(ModelService):
+    engine: Literal["vllm"]
+    allow_dp: Annotated[
+        bool,
+        Field(
+            description="Permit dp > 1. Dense models should use replicas of DP=1 servers instead "
+            "(INCIDENTS.md #2); set this for MoE models that need vLLM's data parallelism."
+        ),
+    ] = False
+    launcher: Annotated[
+        Launcher | None, Field(description="Optional wrapper script that starts vLLM.")
+    ] = None
+
+
+class CommandService(ServiceBase):
+    engine: Literal["command"]
+    command: Annotated[
+        list[Text],
+        Field(
+            min_length=1,
+            description="argv of the server; no shell. Use {port} for the replica's port.",
+        ),
+    ]
+    gpus_per_replica: Annotated[
+        int, Field(ge=0, le=64, description="GPUs each replica needs when gpus is 'auto'.")
+    ] = 0
+
+
+Service = Annotated[
+    SglangService | VllmService | StubService | CommandService,
+    Field(discriminator="engine"),
+]
+
+
+class Job(UnitBase):
+    """A process that runs to completion (or until stopped), optionally after services are ready."""
+
+    script: Annotated[
+        PathStr | None,
+        Field(
+            description="File shipped and run: a path relative to the playbook, or 'dflashops:NAME' for a "
+            "built-in payload, or 'host:/abs/path' for a file already on the host. .py runs with the host's "
+            "python, .sh with bash, anything else directly."
+        ),
+    ] = None
+    command: Annotated[
+        list[Text] | None, Field(description="argv to run instead of a script; no shell.")
+    ] = None
+    args: Annotated[Args, Field(description="Flags appended: `key: value` -> --key value.")] = (
+        Field(default_factory=dict)
+    )
+    servers: Annotated[
+        Name | None,
+        Field(description="A service on the same host: adds --servers with every replica's URL."),
+    ] = None
+    needs: Annotated[
+        list[Name],
+        Field(description="Units or services that must be ready before this job starts."),
+    ] = Field(default_factory=list)
+    restart_with: Annotated[
+        list[Name],
+        Field(
+            description="Services whose restart also restarts this job (otherwise it keeps running)."
+        ),
+    ] = Field(default_factory=list)
+    gpus: Annotated[
+        Annotated[int, Field(ge=0, le=64)] | GpuList,
+        Field(
+            description="A count (allocated after the host's services) or an explicit list of indices."
+        ),
+    ] = 0
+
+    _args = field_validator("args")(_check_args)
+
+    @model_validator(mode="after")
+    def _script_or_command(self) -> Job:
+        if (self.script is None) == (self.command is None):
+            raise ValueError("a job needs exactly one of `script` or `command`")
+        return self
+
+
+class PlaybookFile(StrictModel):
+    """One playbook: services and jobs for a set of hosts."""
+
+    name: Annotated[Name, Field(description="Playbook name.")]
+    hosts: Annotated[Name | list[Name], Field(description="A host, a group, or a list of them.")]
+    vars: Annotated[
+        dict[str, Any], Field(description="Template variables for {{ name }} in string values.")
+    ] = Field(default_factory=dict)
+    services: Annotated[list[Service], Field(description="Long-running servers.")] = Field(
+        default_factory=list
+    )
+    jobs: Annotated[
+        list[Job], Field(description="Jobs, started after the units they need are ready.")
+    ] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> PlaybookFile:
+        seen: set[str] = set()
+        for unit in [*self.services, *self.jobs]:
+            if unit.name in seen:
+                raise ValueError(f"two services or jobs are named {unit.name!r}")
+            seen.add(unit.name)
+        return self
+
+    @property
+    def host_patterns(self) -> list[str]:
+        return [self.hosts] if isinstance(self.hosts, str) else list(self.hosts)

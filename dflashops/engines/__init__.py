@@ -1,0 +1,122 @@
+"""Per-engine command lines: SGLang, vLLM, the stub stand-in, plain commands, and jobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflashops.config.playbook import CommandService, Job, ModelService, VllmService
+from dflashops.engines.base import (
+    HOST_PREFIX,
+    Launch,
+    ShippedFile,
+    Token,
+    WorkPath,
+    resolve_file,
+    to_flags,
+)
+from dflashops.plan import Unit
+
+
+def launch_for(unit: Unit) -> Launch:
+    """The argv and files of a unit. Problems (a missing script) come back in ``Launch.problems``."""
+    spec = unit.spec
+    python = unit.host.python
+    if isinstance(spec, Job):
+        return _job(unit, spec, python)
+    if isinstance(spec, CommandService):
+        argv: list[Token] = [
+            a.replace("{port}", str(unit.port)).replace("{replica}", str(unit.replica))
+            for a in spec.command
+        ]
+        return Launch([*argv, *to_flags(spec.args)], health_path=spec.ready.path)
+    assert isinstance(spec, ModelService)
+    port = str(unit.port)
+    if spec.engine == "sglang":
+        flags = [*_sglang_core(spec, port), *to_flags(spec.args)]
+        return Launch(
+            [python, "-m", "sglang.launch_server", *flags],
+            flags,
+            health_path=spec.ready.path or "/health",
+        )
+    if spec.engine == "stub":
+        stub = ShippedFile.of(resolve_file("dflashops:stub_engine", Path()))
+        flags = [*_sglang_core(spec, port), *to_flags(spec.args)]
+        return Launch(
+            [python, WorkPath(stub.remote), *flags],
+            flags,
+            files=[stub],
+            health_path=spec.ready.path or "/health",
+        )
+    assert isinstance(spec, VllmService)
+    vllm_args = [
+        "--host",
+        spec.bind,
+        "--port",
+        port,
+        "--tensor-parallel-size",
+        str(spec.tp),
+        "--data-parallel-size",
+        str(spec.dp),
+        *to_flags(spec.args),
+    ]
+    health = spec.ready.path or "/health"
+    if spec.launcher is None:
+        return Launch(
+            [python, "-m", "vllm.entrypoints.cli.main", "serve", spec.model, *vllm_args],
+            vllm_args,
+            health_path=health,
+        )
+    launch = Launch([], vllm_args, health_path=health)
+    script = _ship(unit, spec.launcher.script, launch, ("launcher", "script"))
+    launch.argv = [python, script, spec.model, *to_flags(spec.launcher.args), "--", *vllm_args]
+    return launch
+
+
+def _sglang_core(spec: ModelService, port: str) -> list[str]:
+    return [
+        "--model-path",
+        spec.model,
+        "--host",
+        spec.bind,
+        "--port",
+        port,
+        "--tp-size",
+        str(spec.tp),
+        "--dp-size",
+        str(spec.dp),
+    ]
+
+
+def _job(unit: Unit, job: Job, python: str) -> Launch:
+    launch = Launch([])
+    if job.command is not None:
+        head: list[Token] = list(job.command)
+    else:
+        assert job.script is not None
+        script = _ship(unit, job.script, launch, ("script",))
+        suffix = Path(job.script.removeprefix(HOST_PREFIX)).suffix
+        head = (
+            [python, script]
+            if suffix == ".py" or job.script.startswith("dflashops:")
+            else (["bash", script] if suffix == ".sh" else [script])
+        )
+    servers: list[Token] = ["--servers", *unit.servers] if unit.servers else []
+    launch.argv = [*head, *to_flags(job.args), *servers]
+    return launch
+
+
+def _ship(unit: Unit, ref: str, launch: Launch, field_path: tuple[str, ...]) -> Token:
+    if ref.startswith(HOST_PREFIX):
+        return ref[len(HOST_PREFIX) :]  # already on the host (e.g. inside an installed package)
+    path = resolve_file(ref, unit.playbook.path.parent)
+    if not path.is_file():
+        hint = (
+            " (built-in payloads live in dflashops/payloads/)"
+            if ref.startswith("dflashops:")
+            else ""
+        )
+        launch.problems.append(unit.problem(f"file {ref!r} not found at {path}{hint}", *field_path))
+        return ref
+    shipped = ShippedFile.of(path)
+    launch.files.append(shipped)
+    return WorkPath(shipped.remote)

@@ -1,0 +1,96 @@
+"""What every engine produces: the argv to exec, the files it needs on the host, its probe."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflashops.errors import Problem
+
+PAYLOAD_DIR = Path(__file__).resolve().parent.parent / "payloads"
+BUILTIN_PREFIX = "dflashops:"
+HOST_PREFIX = "host:"  # a file already on the host: not shipped, not compiled here
+
+
+@dataclass(frozen=True)
+class ShippedFile:
+    """A controller file that goes to the host's content-addressed payload folder."""
+
+    local: Path
+    sha256: str
+    name: str
+
+    @property
+    def remote(self) -> str:
+        """Path relative to the host's workdir; the hash in it makes every version distinct."""
+        return f"payloads/{self.sha256[:16]}/{self.name}"
+
+    @classmethod
+    def of(cls, path: Path) -> ShippedFile:
+        return cls(path, hashlib.sha256(path.read_bytes()).hexdigest(), path.name)
+
+
+@dataclass(frozen=True)
+class WorkPath:
+    """An argv element naming a file under the host's workdir, which the script knows only at run
+    time (it derives the workdir from its own location)."""
+
+    relative: str
+
+
+Token = str | WorkPath
+
+
+@dataclass
+class Launch:
+    """How a unit starts: argv (exec'd by the launch script), shipped files, probe."""
+
+    argv: list[Token]
+    engine_args: list[str] = field(default_factory=list)  # what the engine itself parses
+    files: list[ShippedFile] = field(default_factory=list)
+    health_path: str | None = None
+    problems: list[Problem] = field(default_factory=list)
+
+
+def to_flags(args: dict[str, Any]) -> list[str]:
+    """`key: value` -> --key value; true -> --key; false/null -> nothing; list -> --key a b;
+    mapping -> --key '<compact JSON>'."""
+    out: list[str] = []
+    for key, value in args.items():
+        flag = f"--{key}"
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list):
+            out.extend([flag, *(_scalar(v) for v in value)])
+        elif isinstance(value, dict):
+            out.extend([flag, json.dumps(value, separators=(",", ":"), sort_keys=True)])
+        else:
+            out.extend([flag, _scalar(value)])
+    return out
+
+
+def _scalar(value: Any) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def resolve_file(ref: str, base: Path) -> Path:
+    """'dflashops:NAME' -> the built-in payload NAME.py; otherwise a path relative to ``base``."""
+    if ref.startswith(BUILTIN_PREFIX):
+        name = ref[len(BUILTIN_PREFIX) :]
+        return PAYLOAD_DIR / f"{name}.py"
+    path = Path(ref).expanduser()
+    return path if path.is_absolute() else base / path
+
+
+def builtin_payloads() -> list[str]:
+    return sorted(p.stem for p in PAYLOAD_DIR.glob("*.py") if not p.name.startswith("_"))
+
+
+def known_flags(engine: str) -> frozenset[str]:
+    data = Path(__file__).resolve().parent.parent / "data" / f"{engine}-flags.txt"
+    return frozenset(line.strip() for line in data.read_text().splitlines() if line.strip())

@@ -1,0 +1,63 @@
+"""One error root for everything dflashops reports to a person.
+
+Every message names what it is about (file and line, host, unit) and, where there is one, the next
+step. The CLI prints these without a traceback; anything else escaping is a bug.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class DflashopsError(Exception):
+    """Base of every error dflashops raises on purpose."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding in a user file: where it is and what is wrong."""
+
+    file: str
+    message: str
+    line: int | None = None
+    column: int | None = None
+    field: str = ""
+
+    def __str__(self) -> str:
+        where = self.file
+        if self.line is not None:
+            where += f":{self.line}"
+            if self.column is not None:
+                where += f":{self.column}"
+        field = f" {self.field}:" if self.field else ""
+        return f"{where}:{field} {self.message}"
+
+
+class ConfigError(DflashopsError):
+    """Inventory or playbook input that cannot be used; carries every problem found, not only the
+    first, so one run shows the user everything to fix."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__("\n".join(str(p) for p in problems))
+
+
+class PlanError(DflashopsError):
+    """Configuration that is valid on its own but cannot be laid out on the hosts (GPU, port or
+    name clashes, unknown dependencies)."""
+
+
+class HostError(DflashopsError):
+    """A host could not be reached or did not do what it was asked."""
+
+    def __init__(self, host: str, message: str) -> None:
+        self.host = host
+        super().__init__(f"[{host}] {message}")
+
+
+class TransferError(HostError):
+    """A file did not arrive intact; the previous version is still in place."""
+
+
+class VerifyError(HostError):
+    """A unit runs, but not what was asked for, or it is not ready."""

@@ -1,0 +1,26 @@
+"""Console output: one place that decides how dflashops talks to a person."""
+
+from __future__ import annotations
+
+import sys
+
+from rich.console import Console
+
+
+def console(stderr: bool = False) -> Console:
+    # highlight=False: rich would otherwise colour numbers and paths inside our messages at random.
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def err(message: str) -> None:
+    console(stderr=True).print(f"[bold red]error:[/] {escape(message)}")
+
+
+def escape(text: str) -> str:
+    from rich.markup import escape as _escape
+
+    return _escape(text)
+
+
+def is_tty() -> bool:
+    return sys.stdout.isatty()

@@ -1,0 +1,485 @@
+"""Desired units from configuration: which unit runs on which host, with which GPUs and port,
+after which other units. Pure: no host is contacted, nothing is rendered here.
+
+Service ``NAME`` with ``replicas: N`` becomes units ``NAME-0 .. NAME-(N-1)`` on every targeted
+host, replica i on ``port + i``. Jobs keep their name. GPUs are handed out per host: explicit
+lists first (they are claims), then ``auto`` services in playbook order, then jobs' GPU counts
+from what is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from jinja2 import StrictUndefined, TemplateError
+from jinja2.sandbox import SandboxedEnvironment
+from pydantic import ValidationError
+
+from dflashops.config.inventory import Host, Inventory
+from dflashops.config.load import Playbook, located_problems
+from dflashops.config.playbook import (
+    CommandService,
+    Job,
+    ModelService,
+    PlaybookFile,
+    VllmService,
+)
+from dflashops.config.yamlsource import PathKey
+from dflashops.errors import Problem
+
+DEFAULT_PORTS = {"sglang": 30000, "stub": 30000, "vllm": 8000}
+Spec = ModelService | CommandService | Job
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One process dflashops manages on one host."""
+
+    name: str
+    host: Host
+    kind: Literal["service", "job"]
+    engine: str  # sglang | vllm | stub | command | job
+    playbook: Playbook
+    spec: Spec  # the playbook entry, with {{ vars }} expanded for this host
+    source: PathKey  # where the entry sits in the playbook, e.g. ("services", 0)
+    service: str  # the service or job name in the playbook
+    replica: int | None = None
+    port: int | None = None
+    gpus: tuple[int, ...] = ()
+    needs: tuple[str, ...] = ()  # unit names that must be ready first
+    servers: tuple[str, ...] = ()  # URLs given to a job with `servers:`
+
+    @property
+    def tp(self) -> int:
+        return self.spec.tp if isinstance(self.spec, ModelService) else 1
+
+    @property
+    def dp(self) -> int:
+        return self.spec.dp if isinstance(self.spec, ModelService) else 1
+
+    def problem(self, message: str, *path: str | int) -> Problem:
+        return self.playbook.doc.problem(
+            (*self.source, *path), f"[{self.host.name}] {self.name}: {message}"
+        )
+
+
+@dataclass
+class HostPlan:
+    host: Host
+    units: list[Unit] = field(default_factory=list)
+
+    def unit(self, name: str) -> Unit:
+        return next(u for u in self.units if u.name == name)
+
+
+@dataclass
+class Plan:
+    hosts: dict[str, HostPlan]
+    problems: list[Problem]
+
+    @property
+    def units(self) -> list[Unit]:
+        return [u for hp in self.hosts.values() for u in hp.units]
+
+
+def targets(inventory: Inventory, book: Playbook) -> tuple[list[str], list[Problem]]:
+    """Host names a playbook targets, or problems naming the unknown patterns."""
+    names: list[str] = []
+    problems = []
+    for i, pattern in enumerate(book.spec.host_patterns):
+        try:
+            names.extend(n for n in inventory.expand([pattern]) if n not in names)
+        except KeyError:
+            where: PathKey = ("hosts",) if isinstance(book.spec.hosts, str) else ("hosts", i)
+            known = ", ".join(sorted([*inventory.hosts, *inventory.groups]))
+            problems.append(
+                book.doc.problem(
+                    where, f"unknown host or group {pattern!r} (inventory has: {known})"
+                )
+            )
+    return names, problems
+
+
+def build_plan(
+    inventory: Inventory, books: list[Playbook], only_hosts: list[str] | None = None
+) -> Plan:
+    """Lay out every playbook's units on the hosts it targets (restricted to ``only_hosts``)."""
+    problems: list[Problem] = []
+    placed: dict[str, list[tuple[Playbook, PlaybookFile]]] = {}
+    for book in books:
+        names, errs = targets(inventory, book)
+        problems.extend(errs)
+        for name in names:
+            if only_hosts is not None and name not in only_hosts:
+                continue
+            spec = _expand_for_host(book, inventory.hosts[name], problems)
+            if spec is not None:
+                placed.setdefault(name, []).append((book, spec))
+    plan = Plan(hosts={}, problems=problems)
+    for name, entries in placed.items():
+        host_plan, errs = _plan_host(inventory.hosts[name], entries)
+        plan.hosts[name] = host_plan
+        problems.extend(errs)
+    return plan
+
+
+# -- {{ vars }} in playbook strings ---------------------------------------------------------------
+
+_values_env = SandboxedEnvironment(undefined=StrictUndefined, autoescape=False)
+
+
+def _expand_for_host(book: Playbook, host: Host, problems: list[Problem]) -> PlaybookFile | None:
+    """The playbook with ``{{ name }}`` in string values filled from playbook vars, then host vars
+    (the host wins: a host-specific model path beats the playbook's), plus ``host`` and ``gpus``."""
+    raw = book.doc.data
+    if "{{" not in repr(raw):
+        return book.spec
+    variables: dict[str, Any] = {
+        **book.spec.vars,
+        **host.vars,
+        "host": host.name,
+        "host_gpus": host.gpus,
+        # Meaningful for local hosts, which share the controller's filesystem.
+        "playbook_dir": str(book.path.parent.resolve()),
+    }
+    errors: list[Problem] = []
+
+    def walk(value: Any, path: PathKey) -> Any:
+        if isinstance(value, dict):
+            return {
+                k: (v if path == () and k == "vars" else walk(v, (*path, k)))
+                for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [walk(v, (*path, i)) for i, v in enumerate(value)]
+        if isinstance(value, str) and "{{" in value:
+            try:
+                return _values_env.from_string(value).render(variables)
+            except TemplateError as exc:
+                errors.append(
+                    book.doc.problem(path, f"[{host.name}] cannot fill in {value!r}: {exc}")
+                )
+        return value
+
+    data = walk(raw, ())
+    if errors:
+        problems.extend(errors)
+        return None
+    try:
+        return PlaybookFile.model_validate(data)
+    except ValidationError as exc:
+        problems.extend(located_problems(book.doc, PlaybookFile, exc))
+        return None
+
+
+# -- per-host layout --------------------------------------------------------------------------------
+
+
+def _plan_host(
+    host: Host, entries: list[tuple[Playbook, PlaybookFile]]
+) -> tuple[HostPlan, list[Problem]]:
+    problems: list[Problem] = []
+    allocator = _GpuAllocator(host)
+    units: list[Unit] = []
+    for book, spec in entries:
+        for i, svc in enumerate(spec.services):
+            units.extend(_service_units(host, book, svc, ("services", i), allocator, problems))
+    for book, spec in entries:
+        for i, job in enumerate(spec.jobs):
+            gpus = allocator.take_job(job, _locator(book, ("jobs", i, "gpus"), f"job {job.name}: "))
+            units.append(
+                Unit(
+                    name=job.name,
+                    host=host,
+                    kind="job",
+                    engine="job",
+                    playbook=book,
+                    spec=job,
+                    source=("jobs", i),
+                    service=job.name,
+                    gpus=gpus,
+                )
+            )
+    problems.extend(allocator.problems)
+    problems.extend(_check_names(units))
+    problems.extend(_check_ports(units))
+    units = _link_jobs(units, problems)
+    problems.extend(_check_cycles(units))
+    problems.extend(_check_vllm_dp(units))
+    return HostPlan(host, units), problems
+
+
+Where = Callable[[str], Problem]  # turns a message into a located problem
+
+
+def _locator(book: Playbook, path: PathKey, prefix: str) -> Where:
+    return lambda message: book.doc.problem(path, prefix + message)
+
+
+class _GpuAllocator:
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.owner: dict[int, str] = {}
+        self.problems: list[Problem] = []
+
+    def free(self) -> list[int]:
+        return [g for g in range(self.host.gpus) if g not in self.owner]
+
+    def claim(self, gpus: list[int], unit: str, where: Where) -> tuple[int, ...]:
+        for g in gpus:
+            if g >= self.host.gpus:
+                self.problems.append(
+                    where(
+                        f"GPU {g} does not exist: host {self.host.name} has {self.host.gpus} GPUs (0-{self.host.gpus - 1})"
+                        if self.host.gpus
+                        else f"GPU {g} does not exist: host {self.host.name} has no GPUs (gpus: 0)"
+                    )
+                )
+            elif g in self.owner:
+                self.problems.append(
+                    where(f"GPU {g} is already used by {self.owner[g]} on host {self.host.name}")
+                )
+            else:
+                self.owner[g] = unit
+        if len(set(gpus)) != len(gpus):
+            self.problems.append(where(f"GPU list {gpus} names a GPU twice"))
+        return tuple(gpus)
+
+    def take(self, count: int, unit: str, where: Where) -> tuple[int, ...]:
+        free = self.free()
+        if count > len(free):
+            self.problems.append(
+                where(
+                    f"needs {count} GPU(s) but host {self.host.name} has only {len(free)} left of {self.host.gpus}"
+                    + (f" (taken: {self._taken()})" if self.owner else "")
+                )
+            )
+            return ()
+        return self.claim(free[:count], unit, where)
+
+    def take_job(self, job: Job, where: Where) -> tuple[int, ...]:
+        if isinstance(job.gpus, list):
+            return self.claim(job.gpus, job.name, where)
+        return self.take(job.gpus, job.name, where) if job.gpus else ()
+
+    def _taken(self) -> str:
+        by_unit: dict[str, list[int]] = {}
+        for g, u in sorted(self.owner.items()):
+            by_unit.setdefault(u, []).append(g)
+        return ", ".join(f"{u} {gs}" for u, gs in by_unit.items())
+
+
+def _service_units(
+    host: Host,
+    book: Playbook,
+    svc: ModelService | CommandService,
+    source: PathKey,
+    allocator: _GpuAllocator,
+    problems: list[Problem],
+) -> list[Unit]:
+    per_replica = svc.tp * svc.dp if isinstance(svc, ModelService) else svc.gpus_per_replica
+    where_gpus = _locator(book, (*source, "gpus"), f"service {svc.name}: ")
+    explicit: list[int] | None = svc.gpus if isinstance(svc.gpus, list) else None
+    if explicit is not None and len(explicit) != per_replica * svc.replicas:
+        problems.append(
+            where_gpus(
+                f"lists {len(explicit)} GPU(s) but {svc.replicas} replica(s) x tp*dp {per_replica} "
+                f"need {per_replica * svc.replicas}"
+            )
+        )
+        return []
+    if explicit is None and per_replica * svc.replicas > host.gpus:
+        # One message for the whole service instead of one per replica that does not fit.
+        tp_dp = (
+            f"tp {svc.tp} x dp {svc.dp}"
+            if isinstance(svc, ModelService)
+            else f"{per_replica} per replica"
+        )
+        problems.append(
+            where_gpus(
+                f"needs {per_replica * svc.replicas} GPUs ({tp_dp} x {svc.replicas} replica(s)) "
+                f"but host {host.name} has {host.gpus}"
+            )
+        )
+        return []
+    base_port = svc.port or DEFAULT_PORTS.get(svc.engine)
+    units = []
+    for r in range(svc.replicas):
+        name = f"{svc.name}-{r}"
+        if explicit is not None:
+            gpus = allocator.claim(
+                explicit[r * per_replica : (r + 1) * per_replica], name, where_gpus
+            )
+        else:
+            gpus = allocator.take(per_replica, name, where_gpus) if per_replica else ()
+        units.append(
+            Unit(
+                name=name,
+                host=host,
+                kind="service",
+                engine=svc.engine,
+                playbook=book,
+                spec=svc,
+                source=source,
+                service=svc.name,
+                replica=r,
+                port=base_port + r if base_port is not None else None,
+                gpus=gpus,
+            )
+        )
+    return units
+
+
+def _check_names(units: list[Unit]) -> list[Problem]:
+    seen: dict[str, Unit] = {}
+    problems = []
+    for u in units:
+        other = seen.get(u.name)
+        if other is not None:
+            problems.append(
+                u.problem(
+                    f"unit name is also used by {other.playbook.path} ({other.service}); "
+                    "names must be unique per host",
+                    "name",
+                )
+            )
+        seen.setdefault(u.name, u)
+    return problems
+
+
+def _check_ports(units: list[Unit]) -> list[Problem]:
+    seen: dict[int, Unit] = {}
+    problems = []
+    for u in units:
+        if u.port is None:
+            continue
+        if u.port > 65535:
+            problems.append(
+                u.problem(f"port {u.port} is above 65535 (port + replica index)", "port")
+            )
+        elif u.port in seen:
+            problems.append(u.problem(f"port {u.port} is also used by {seen[u.port].name}", "port"))
+        seen.setdefault(u.port, u)
+    return problems
+
+
+def _link_jobs(units: list[Unit], problems: list[Problem]) -> list[Unit]:
+    """Resolve each job's needs/servers/restart_with to unit names and URLs on the same host."""
+    by_service: dict[str, list[Unit]] = {}
+    for u in units:
+        by_service.setdefault(u.service, []).append(u)
+    out = []
+    for u in units:
+        if not isinstance(u.spec, Job):
+            out.append(u)
+            continue
+        job = u.spec
+        needs: list[str] = []
+        for i, name in enumerate(job.needs):
+            if name == job.name:
+                problems.append(u.problem("a job cannot need itself", "needs", i))
+            elif name in by_service:
+                needs.extend(x.name for x in by_service[name] if x.name not in needs)
+            else:
+                problems.append(
+                    u.problem(
+                        f"needs unknown unit or service {name!r} on host {u.host.name}", "needs", i
+                    )
+                )
+        servers: list[str] = []
+        if job.servers is not None:
+            replicas = [x for x in by_service.get(job.servers, []) if x.kind == "service"]
+            if not replicas:
+                problems.append(
+                    u.problem(
+                        f"servers names unknown service {job.servers!r} on host {u.host.name}",
+                        "servers",
+                    )
+                )
+            elif any(x.port is None for x in replicas):
+                problems.append(
+                    u.problem(f"service {job.servers!r} has no port to build URLs from", "servers")
+                )
+            else:
+                servers = [f"http://{_url_host(x)}:{x.port}" for x in replicas]
+                needs.extend(x.name for x in replicas if x.name not in needs)
+        for i, name in enumerate(job.restart_with):
+            if not any(x.kind == "service" for x in by_service.get(name, [])):
+                problems.append(
+                    u.problem(f"restart_with names unknown service {name!r}", "restart_with", i)
+                )
+        out.append(replace(u, needs=tuple(needs), servers=tuple(servers)))
+    return out
+
+
+def _url_host(unit: Unit) -> str:
+    bind = unit.spec.bind if not isinstance(unit.spec, Job) else "127.0.0.1"
+    return "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+
+
+def _check_cycles(units: list[Unit]) -> list[Problem]:
+    graph = {u.name: u.needs for u in units}
+    problems: list[Problem] = []
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+    reported: set[frozenset[str]] = set()
+
+    def visit(name: str, stack: list[str]) -> None:
+        state[name] = 1
+        for nxt in graph.get(name, ()):
+            if state.get(nxt) == 1:
+                cycle = [*stack[stack.index(nxt) :], nxt] if nxt in stack else [name, nxt]
+                key = frozenset(cycle)
+                if key not in reported:
+                    reported.add(key)
+                    unit = next(u for u in units if u.name == nxt)
+                    problems.append(
+                        unit.problem(f"needs form a cycle: {' -> '.join(cycle)}", "needs")
+                    )
+            elif state.get(nxt) is None:
+                visit(nxt, [*stack, nxt])
+        state[name] = 2
+
+    for u in units:
+        if state.get(u.name) is None:
+            visit(u.name, [u.name])
+    return problems
+
+
+DP_ADVICE = (
+    "vLLM with data-parallel-size {dp} on {gpus}: vLLM offsets each DP rank's devices itself, so this "
+    "crashed in the field with 'DP adjusted local rank ... is out of bounds' and a broken pipe "
+    "(INCIDENTS.md #2). For a dense model use `replicas: {dp}` with `dp: 1` (one server per GPU set, "
+    "each with its own port); set `allow_dp: true` only for MoE models that need vLLM's DP."
+)
+
+
+def _check_vllm_dp(units: list[Unit]) -> list[Problem]:
+    problems = []
+    for u in units:
+        if (
+            isinstance(u.spec, VllmService)
+            and u.spec.dp > 1
+            and not u.spec.allow_dp
+            and u.replica == 0
+        ):
+            gpus = f"CUDA_VISIBLE_DEVICES={','.join(map(str, u.gpus))}" if u.gpus else "its GPUs"
+            problems.append(u.problem(DP_ADVICE.format(dp=u.spec.dp, gpus=gpus), "dp"))
+    return problems
+
+
+def topo_order(units: list[Unit]) -> list[Unit]:
+    """Units in an order where every unit comes after what it needs (services first)."""
+    done: set[str] = set()
+    out: list[Unit] = []
+    pending = sorted(units, key=lambda u: u.kind != "service")
+    while pending:
+        progress = [u for u in pending if all(n in done for n in u.needs)]
+        if not progress:  # a cycle; pre-flight reports it, keep the rest in file order
+            progress = pending
+        for u in progress:
+            out.append(u)
+            done.add(u.name)
+        pending = [u for u in pending if u.name not in done]
+    return out

@@ -1,0 +1,98 @@
+"""Where the user's files are and which of them a command works on.
+
+An ops repo looks like this repo's root: ``inventory.yaml`` (or ``inventory.example.yaml``),
+``playbooks/*.yaml`` and optionally ``templates/`` overriding the built-in launch templates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dflashops.config.inventory import Inventory
+from dflashops.config.load import Playbook, load_inventory, load_playbook
+from dflashops.errors import ConfigError, DflashopsError, Problem
+from dflashops.plan import targets
+
+DEFAULT_INVENTORIES = ("inventory.yaml", "inventory.example.yaml")
+
+
+def find_inventory(given: str | None, cwd: Path | None = None) -> Path:
+    if given:
+        return Path(given)
+    base = cwd or Path(".")
+    for name in DEFAULT_INVENTORIES:
+        if (base / name).is_file():
+            return base / name
+    raise DflashopsError(
+        f"no inventory: neither {' nor '.join(DEFAULT_INVENTORIES)} exists in {base}; "
+        "pass -i/--inventory FILE (inventory.example.yaml in the dflashops repo is a start)"
+    )
+
+
+def split_names(value: str | list[str] | None) -> list[str]:
+    """`--host a,b --host c` -> [a, b, c]."""
+    if not value:
+        return []
+    items = [value] if isinstance(value, str) else value
+    return [n.strip() for item in items for n in item.split(",") if n.strip()]
+
+
+@dataclass
+class Selection:
+    """Inventory, the playbooks in play and the hosts they are applied to."""
+
+    inventory: Inventory
+    playbooks: list[Playbook]
+    hosts: list[str] | None  # None: every host the playbooks target
+    problems: list[Problem]
+
+
+def select(inventory_path: Path, playbooks: list[str], hosts: list[str]) -> Selection:
+    """Load the inventory and playbooks. Playbook problems are collected (not raised) so that
+    pre-flight can report every broken file in one run; inventory problems raise, since nothing
+    can be checked without it."""
+    inventory = load_inventory(inventory_path)
+    try:
+        host_names = inventory.expand(hosts) if hosts else None
+    except KeyError as exc:
+        known = ", ".join(sorted([*inventory.hosts, *inventory.groups]))
+        raise DflashopsError(
+            f"--host {exc.args[0]!r} is not in {inventory_path} (it has: {known})"
+        ) from None
+    explicit = bool(playbooks)
+    paths = (
+        [Path(p) for p in playbooks]
+        if explicit
+        else sorted((inventory_path.parent / "playbooks").glob("*.y*ml"))
+    )
+    if not paths:
+        raise DflashopsError(
+            f"no playbooks: {inventory_path.parent / 'playbooks'} is empty; pass -p/--playbook FILE"
+        )
+    books: list[Playbook] = []
+    problems: list[Problem] = []
+    for path in paths:
+        try:
+            book = load_playbook(path)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            continue
+        if explicit or host_names is None or _targets_any(inventory, book, host_names):
+            books.append(book)
+    seen: dict[str, Path] = {}
+    for book in books:
+        if book.name in seen:
+            problems.append(
+                book.doc.problem(
+                    ("name",), f"playbook name {book.name!r} is also used by {seen[book.name]}"
+                )
+            )
+        seen.setdefault(book.name, book.path)
+    return Selection(inventory, books, host_names, problems)
+
+
+def _targets_any(inventory: Inventory, book: Playbook, hosts: list[str]) -> bool:
+    names, problems = targets(inventory, book)
+    # A playbook whose targets are broken is kept, so pre-flight reports it.
+    return bool(problems) or any(n in hosts for n in names)

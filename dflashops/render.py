@@ -1,0 +1,190 @@
+"""Launch scripts from units: Jinja2 with StrictUndefined, and quoting enforced by construction.
+
+The environment's ``finalize`` refuses any ``{{ value }}`` that did not pass through the ``q``
+(shell-quote) or ``name`` (validated identifier) filter, so a template cannot emit a raw value
+even by mistake. Templates ship in the package; a ``templates/`` folder beside the user's
+``playbooks/`` folder (or inside it) overrides them by file name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jinja2 import (
+    ChoiceLoader,
+    Environment,
+    FileSystemLoader,
+    PackageLoader,
+    StrictUndefined,
+    TemplateError,
+)
+
+from dflashops import __version__
+from dflashops.engines import launch_for
+from dflashops.engines.base import Launch, ShippedFile, Token, WorkPath
+from dflashops.errors import Problem
+from dflashops.plan import Plan, Unit
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class Quoted(str):
+    """Text that is safe to place in a shell script as is."""
+
+
+def quote(value: Any) -> Quoted:
+    if isinstance(value, Quoted):
+        return value
+    if isinstance(value, WorkPath):
+        return Quoted('"${DFLASHOPS_WORKDIR}"/' + shlex.quote(value.relative))
+    if value is None:
+        return Quoted("''")
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    return Quoted(shlex.quote(str(value)))
+
+
+def quote_argv(argv: Iterable[Token]) -> Quoted:
+    return Quoted(" ".join(quote(t) for t in argv))
+
+
+def quote_text(value: Any) -> Quoted:
+    """Quote the text form of anything, already-quoted text included (for printing a command)."""
+    return Quoted(shlex.quote(str(value)))
+
+
+def env_name(value: str) -> Quoted:
+    if not _ENV_NAME.match(value):
+        raise TemplateError(f"{value!r} is not an environment variable name")
+    return Quoted(value)
+
+
+def _finalize(value: Any) -> Any:
+    if isinstance(value, Quoted):
+        return value
+    raise TemplateError(
+        f"unquoted value {value!r} in a template: pipe every value through `|q` (or `|name` for a variable name)"
+    )
+
+
+def template_dirs(playbook_paths: Iterable[Path]) -> list[Path]:
+    """User override folders: ``templates/`` beside or inside each playbooks folder."""
+    dirs: list[Path] = []
+    for path in playbook_paths:
+        for candidate in (path.parent / "templates", path.parent.parent / "templates"):
+            if candidate.is_dir() and candidate not in dirs:
+                dirs.append(candidate)
+    return dirs
+
+
+def make_environment(override_dirs: list[Path]) -> Environment:
+    env = Environment(
+        loader=ChoiceLoader(
+            [
+                FileSystemLoader([str(d) for d in override_dirs]),
+                PackageLoader("dflashops", "templates"),
+            ]
+        ),
+        undefined=StrictUndefined,
+        finalize=_finalize,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters["q"] = quote
+    env.filters["qargv"] = quote_argv
+    env.filters["name"] = env_name
+    env.filters["qtext"] = quote_text
+    return env
+
+
+@dataclass
+class Rendered:
+    """A unit with its launch script and the fingerprint that identifies what it runs."""
+
+    unit: Unit
+    script: str
+    fingerprint: str
+    launch: Launch
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def files(self) -> list[ShippedFile]:
+        return self.launch.files
+
+    @property
+    def short(self) -> str:
+        return self.fingerprint[:12]
+
+
+def template_name(unit: Unit) -> str:
+    return "job.sh.j2" if unit.kind == "job" else f"{unit.engine}.sh.j2"
+
+
+def render_unit(env: Environment, unit: Unit) -> Rendered:
+    """Render one unit. The fingerprint hashes the script (rendered without it), the content of
+    every shipped file and the names of its secrets, so any change to what runs changes it."""
+    launch = launch_for(unit)
+    unit_env = {**unit.host.env, **unit.spec.env}
+    context = {
+        "unit": _UnitView(unit),
+        "argv": launch.argv,
+        "env": sorted(unit_env.items()),
+        "secrets": sorted(unit.spec.secret_env),
+        "version": __version__,
+    }
+    template = env.get_template(template_name(unit))
+    draft = template.render(fingerprint="", **context)
+    digest = hashlib.sha256(
+        json.dumps(
+            {
+                "script": draft,
+                "files": {f.remote: f.sha256 for f in launch.files},
+                "secrets": sorted(unit.spec.secret_env),
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()
+    script = template.render(fingerprint=digest, **context)
+    return Rendered(unit, script, digest, launch, unit_env)
+
+
+def render_plan(plan: Plan, override_dirs: list[Path]) -> tuple[list[Rendered], list[Problem]]:
+    env = make_environment(override_dirs)
+    rendered: list[Rendered] = []
+    problems: list[Problem] = []
+    for unit in plan.units:
+        try:
+            result = render_unit(env, unit)
+        except TemplateError as exc:
+            problems.append(unit.problem(f"template {template_name(unit)}: {exc}"))
+            continue
+        problems.extend(result.launch.problems)
+        rendered.append(result)
+    return rendered, problems
+
+
+class _UnitView:
+    """What templates see of a unit: plain values, nothing that could reach the host."""
+
+    def __init__(self, unit: Unit) -> None:
+        self.name = unit.name
+        self.host = unit.host.name
+        self.engine = unit.engine
+        self.kind = unit.kind
+        self.playbook = unit.playbook.name
+        self.tp = unit.tp
+        self.dp = unit.dp
+        self.port = unit.port if unit.port is not None else "-"
+        self.gpus = ",".join(map(str, unit.gpus)) or "-"
+        # An empty CUDA_VISIBLE_DEVICES hides every GPU: a CPU-only job cannot grab one by accident.
+        self.cuda_visible_devices = ",".join(map(str, unit.gpus))
+        self.replica = unit.replica
