@@ -181,28 +181,23 @@ def _plan_host(
     host: Host, entries: list[tuple[Playbook, PlaybookFile]]
 ) -> tuple[HostPlan, list[Problem]]:
     problems: list[Problem] = []
-    allocator = _GpuAllocator(host)
-    units: list[Unit] = []
-    for book, spec in entries:
-        for i, svc in enumerate(spec.services):
-            units.extend(_service_units(host, book, svc, ("services", i), allocator, problems))
-    for book, spec in entries:
-        for i, job in enumerate(spec.jobs):
-            gpus = allocator.take_job(job, _locator(book, ("jobs", i, "gpus"), f"job {job.name}: "))
-            units.append(
-                Unit(
-                    name=job.name,
-                    host=host,
-                    kind="job",
-                    engine="job",
-                    playbook=book,
-                    spec=job,
-                    source=("jobs", i),
-                    service=job.name,
-                    gpus=gpus,
-                )
-            )
-    problems.extend(allocator.problems)
+    allocator = _GpuAllocator(host, problems)
+    made: list[tuple[tuple[int, int, int], list[Unit]]] = []
+    # Explicit GPU lists are claims, honoured before any `auto` allocation wherever they sit in
+    # the files; then auto services in playbook order; then jobs' GPU counts from what is left.
+    for explicit in (True, False):
+        for b, (book, spec) in enumerate(entries):
+            for i, svc in enumerate(spec.services):
+                if isinstance(svc.gpus, list) == explicit:
+                    source: PathKey = ("services", i)
+                    made.append(
+                        ((b, 0, i), _service_units(host, book, svc, source, allocator, problems))
+                    )
+        for b, (book, spec) in enumerate(entries):
+            for i, job in enumerate(spec.jobs):
+                if isinstance(job.gpus, list) == explicit:
+                    made.append(((b, 1, i), [_job_unit(host, book, job, i, allocator)]))
+    units = [u for _, group in sorted(made, key=lambda m: m[0]) for u in group]
     problems.extend(_check_names(units))
     problems.extend(_check_ports(units))
     units = _link_jobs(units, problems)
@@ -218,11 +213,26 @@ def _locator(book: Playbook, path: PathKey, prefix: str) -> Where:
     return lambda message: book.doc.problem(path, prefix + message)
 
 
+def _job_unit(host: Host, book: Playbook, job: Job, index: int, allocator: _GpuAllocator) -> Unit:
+    where = _locator(book, ("jobs", index, "gpus"), f"job {job.name}: ")
+    return Unit(
+        name=job.name,
+        host=host,
+        kind="job",
+        engine="job",
+        playbook=book,
+        spec=job,
+        source=("jobs", index),
+        service=job.name,
+        gpus=allocator.take_job(job, where),
+    )
+
+
 class _GpuAllocator:
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, problems: list[Problem]) -> None:
         self.host = host
         self.owner: dict[int, str] = {}
-        self.problems: list[Problem] = []
+        self.problems = problems  # shared, so problems come out in the order they were found
 
     def free(self) -> list[int]:
         return [g for g in range(self.host.gpus) if g not in self.owner]

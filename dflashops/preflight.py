@@ -109,7 +109,9 @@ def bash_syntax(r: Rendered) -> Check:
     proc = subprocess.run(
         ["bash", "-n"], input=r.script, capture_output=True, text=True, check=False
     )
-    if proc.returncode == 0:
+    # bash -n exits 0 on some syntax errors (a malformed `[[ x ]`, say) and only prints them:
+    # anything on stderr is a failure too.
+    if proc.returncode == 0 and not proc.stderr.strip():
         return Check("bash-syntax", subject(r), True)
     detail = proc.stderr.strip().replace("bash: ", "", 1)
     problem = r.unit.problem(f"rendered launch script does not parse (bash -n): {detail}")

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from dflashops.config.inventory import Inventory, InventoryFile, resolve_hosts
-from dflashops.config.playbook import PlaybookFile
+from dflashops.config.playbook import PlaybookFile, Service
 from dflashops.config.yamlsource import Document, PathKey, read_yaml
 from dflashops.errors import ConfigError, Problem
 
@@ -174,10 +174,20 @@ def _data_path(data: Any, loc: tuple[Any, ...]) -> PathKey:
     return tuple(path)
 
 
+def _service_models() -> list[type[BaseModel]]:
+    union = typing.get_args(Service)[0]
+    return list(typing.get_args(union))
+
+
+ENGINES = {typing.get_args(m.model_fields["engine"].annotation)[0]: m for m in _service_models()}
+
+
+def _engines_with_field(key: str) -> list[str]:
+    return sorted(engine for engine, m in ENGINES.items() if key in m.model_fields)
+
+
 def _is_tag(part: str) -> bool:
-    return (
-        part in {"sglang", "vllm", "stub", "command"} or "[" in part or part.startswith("function-")
-    )
+    return part in ENGINES or "[" in part or part.startswith("function-")
 
 
 def _message(
@@ -187,6 +197,9 @@ def _message(
     if kind == "extra_forbidden":
         allowed = _allowed_keys(model, loc[:-1])
         key = str(loc[-1])
+        elsewhere = _engines_with_field(key)
+        if len(loc) >= 2 and loc[-2] in ENGINES and elsewhere:
+            return f"unknown key {key!r} for engine {loc[-2]}: it is only valid for engine {' and '.join(elsewhere)}"
         hint = ""
         close = difflib.get_close_matches(key, allowed, n=1)
         if close:

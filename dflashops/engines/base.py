@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,8 @@ def resolve_file(ref: str, base: Path) -> Path:
         name = ref[len(BUILTIN_PREFIX) :]
         return PAYLOAD_DIR / f"{name}.py"
     path = Path(ref).expanduser()
-    return path if path.is_absolute() else base / path
+    # normpath: messages should say scripts/x.py, not playbooks/../scripts/x.py
+    return Path(os.path.normpath(path if path.is_absolute() else base / path))
 
 
 def builtin_payloads() -> list[str]:

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set up and run the whole test suite: sshd for the fake GPU hosts, the venv, lint, types, tests.
+# This is the README's test command and exactly what CI runs (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash dev/ensure-sshd.sh
+bash dev/setup.sh dev
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
+.venv/bin/dflashops preflight
+# -p no:cacheprovider: CI runs on a read-only-ish fresh clone; no .pytest_cache needed.
+exec .venv/bin/pytest -n 2 -p no:cacheprovider "$@"
