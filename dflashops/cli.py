@@ -63,6 +63,22 @@ def parser() -> argparse.ArgumentParser:
         help="write DIR/<host>/<unit>.sh instead of printing",
     )
 
+    t = sub.add_parser("trust", help="fetch, show and record hosts' SSH keys (asks on a terminal)")
+    t.add_argument(
+        "-i",
+        "--inventory",
+        help="inventory file (default: inventory.yaml, else inventory.example.yaml)",
+    )
+    t.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="NAMES",
+        required=True,
+        help="host or group names, comma-separated",
+    )
+    t.add_argument("--yes", action="store_true", help="record without asking (for scripts)")
+
     s = sub.add_parser("schema", help="print the JSON Schema of the inventory and playbook files")
     s.add_argument("which", nargs="?", choices=["all", "inventory", "playbook"], default="all")
     return top
@@ -89,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 playbooks=args.playbook,
                 out_dir=args.out_dir,
             )
+        if args.command == "trust":
+            return commands.trust(out, inventory=args.inventory, hosts=args.host, yes=args.yes)
         return commands.schema(out, which=args.which)
     except ConfigError as exc:
         for problem in exc.problems:

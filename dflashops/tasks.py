@@ -97,4 +97,21 @@ def schema(c: Context, which: str = "all") -> None:
     _run(commands.schema, which=which)
 
 
-namespace = Collection(preflight, render, schema)
+@task(
+    klass=OpsTask,
+    auto_shortflags=False,
+    iterable=["host"],
+    help={
+        "inventory": SELECTION_HELP["inventory"],
+        "host": "host or group names, comma-separated",
+        "yes": "record without asking",
+    },
+)
+def trust(
+    c: Context, inventory: str | None = None, host: list[str] | None = None, yes: bool = False
+) -> None:
+    """Fetch, show and record hosts' SSH keys (asks on a terminal; --yes for scripts)."""
+    _run(commands.trust, inventory=inventory, hosts=host, yes=yes)
+
+
+namespace = Collection(preflight, render, schema, trust)

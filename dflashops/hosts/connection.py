@@ -1,0 +1,79 @@
+"""The one interface the rest of dflashops uses to touch a host, whatever the transport.
+
+Two kinds implement it: ``SshConnection`` (Fabric/paramiko, strict host keys) and
+``LocalConnection`` (this machine, for the embedded default). Every call returns a checked
+``Result``; a non-zero exit raises ``CommandError`` with the command, the exit code and the end
+of its output, so no caller can mistake silence for success.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dflashops.errors import HostError
+
+Command = str | Sequence[str]
+
+
+def as_shell(command: Command) -> str:
+    """A command for the remote shell: argv is quoted part by part, a string is taken as shell."""
+    return command if isinstance(command, str) else shlex.join(command)
+
+
+@dataclass(frozen=True)
+class Result:
+    command: str
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+
+    @property
+    def out(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def err(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
+
+
+def tail(text: str, lines: int = 15) -> str:
+    kept = text.rstrip().splitlines()[-lines:]
+    return "\n".join(f"    {line}" for line in kept)
+
+
+class CommandError(HostError):
+    """A command ran and failed: says which, how, and what it printed last."""
+
+    def __init__(self, host: str, result: Result, what: str = "") -> None:
+        self.result = result
+        shown = result.command if len(result.command) <= 200 else result.command[:197] + "..."
+        lines = [f"{what or 'command'} failed with exit code {result.exit_code}: {shown}"]
+        if result.err.strip():
+            lines.append("  stderr (last lines):\n" + tail(result.err))
+        if result.out.strip():
+            lines.append("  stdout (last lines):\n" + tail(result.out))
+        super().__init__(host, "\n".join(lines))
+
+
+class CommandTimeout(HostError):
+    """The command did not finish in time; it may still be running on the host."""
+
+
+class Connection(Protocol):
+    """Run a command (with optional stdin bytes), put bytes into a file, get a file's bytes."""
+
+    host: str  # the inventory name, for messages
+
+    def run(
+        self,
+        command: Command,
+        *,
+        input: bytes | None = None,
+        timeout: float | None = 60.0,
+        check: bool = True,
+    ) -> Result: ...
+
+    def close(self) -> None: ...

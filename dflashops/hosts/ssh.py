@@ -1,0 +1,235 @@
+"""SSH connections through Fabric/paramiko, with strict host keys and honest errors.
+
+Fabric gives us ~/.ssh/config (HostName, Port, User, IdentityFile, ProxyJump) and the paramiko
+client; we replace its AutoAddPolicy with our own, load the keys the host may present, and run
+commands on raw session channels so that stdin bytes, exit codes and timeouts are exact.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import paramiko
+from fabric import Config
+from fabric import Connection as FabricConnection
+
+from dflashops.config.inventory import Host
+from dflashops.errors import HostError
+from dflashops.hosts.base import BaseConnection
+from dflashops.hosts.connection import Command, CommandError, CommandTimeout, Result, as_shell
+from dflashops.hosts.hostkeys import (
+    ChangedHostKey,
+    KnownKey,
+    StrictPolicy,
+    changed_message,
+    key_name,
+    lookup,
+    parse_key_line,
+)
+
+CONNECT_TIMEOUT = 15.0
+KEEPALIVE = 30
+
+
+def user_known_hosts(conn: FabricConnection) -> list[Path]:
+    files = conn.ssh_config.get("userknownhostsfile")
+    names = files.split() if isinstance(files, str) else (files or ["~/.ssh/known_hosts"])
+    return [Path(n).expanduser() for n in names]
+
+
+def _prepare_keys(conn: FabricConnection, host: Host, pinned: str | None) -> list[KnownKey]:
+    """Make ``conn`` (and its ProxyJump gateways) check host keys our way; returns the keys
+    accepted for the target itself."""
+    client: paramiko.SSHClient = conn.client
+    name = key_name(conn.host, conn.port)
+    known = lookup(name, pinned, user_known_hosts(conn))
+    for entry in known:
+        client.get_host_keys().add(name, entry.key.get_name(), entry.key)
+    client.set_missing_host_key_policy(StrictPolicy(host.name, host.host_key_policy))
+    if isinstance(conn.gateway, FabricConnection):
+        # Jump hosts are held to the same rule; they have no pin of their own.
+        _prepare_keys(conn.gateway, host, None)
+    return known
+
+
+def fabric_connection(host: Host, timeout: float = CONNECT_TIMEOUT) -> FabricConnection:
+    assert host.address is not None  # the inventory loader guarantees it for ssh hosts
+    connect_kwargs: dict[str, Any] = {}
+    if host.key_file:
+        connect_kwargs["key_filename"] = [str(Path(host.key_file).expanduser())]
+    return FabricConnection(
+        host.address,
+        user=host.user,
+        port=host.port,
+        config=Config(),
+        connect_timeout=int(timeout),
+        connect_kwargs=connect_kwargs,
+    )
+
+
+class SshConnection(BaseConnection):
+    def __init__(self, host: Host, timeout: float = CONNECT_TIMEOUT) -> None:
+        self.host = host.name
+        self.spec = host
+        self.timeout = timeout
+        self.fabric = fabric_connection(host, timeout)
+        self.commands = 0  # SSH commands run: tests and benchmarks count round trips with it
+
+    @property
+    def where(self) -> str:
+        return f"{self.fabric.user}@{self.fabric.host}:{self.fabric.port}"
+
+    def open(self) -> None:
+        if self.fabric.is_connected:
+            return
+        known = _prepare_keys(self.fabric, self.spec, self.spec.host_key)
+        try:
+            self.fabric.open()
+        except paramiko.BadHostKeyException as exc:
+            expected = next((k for k in known if k.key.get_name() == exc.key.get_name()), None)
+            expected = expected or KnownKey(exc.expected_key, "known_hosts")
+            name = key_name(self.fabric.host, self.fabric.port)
+            raise ChangedHostKey(
+                self.host, changed_message(self.host, name, exc.key, expected)
+            ) from None
+        except HostError:
+            raise
+        except paramiko.AuthenticationException as exc:
+            keys = self.fabric.connect_kwargs.get("key_filename") or [
+                "(none given: agent and ~/.ssh defaults)"
+            ]
+            raise HostError(
+                self.host,
+                f"authentication failed for {self.where} with key(s) {', '.join(map(str, keys))}: {exc}. "
+                "Check `user` and `key_file` in the inventory and that the public key is in the host's authorized_keys.",
+            ) from None
+        except socket.gaierror as exc:
+            raise HostError(
+                self.host,
+                f"cannot resolve {self.fabric.host!r} (DNS): {exc.strerror}; check `address`",
+            ) from None
+        except paramiko.ssh_exception.NoValidConnectionsError:
+            raise HostError(
+                self.host,
+                f"connection refused at {self.fabric.host}:{self.fabric.port}: is sshd running there and is the port "
+                "right? (re-provisioned nodes often change SSH port)",
+            ) from None
+        except TimeoutError:
+            raise HostError(
+                self.host,
+                f"timed out after {self.timeout:.0f}s connecting to {self.fabric.host}:{self.fabric.port}",
+            ) from None
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise HostError(
+                self.host, f"cannot connect to {self.where}: {exc or type(exc).__name__}"
+            ) from None
+        transport = self.fabric.client.get_transport()
+        if transport is not None:
+            transport.set_keepalive(KEEPALIVE)
+
+    def run(
+        self,
+        command: Command,
+        *,
+        input: bytes | None = None,
+        timeout: float | None = 60.0,
+        check: bool = True,
+    ) -> Result:
+        self.open()
+        shell = as_shell(command)
+        transport = self.fabric.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise HostError(self.host, f"connection to {self.where} is closed")
+        self.commands += 1
+        try:
+            channel = transport.open_session(timeout=self.timeout)
+            channel.exec_command(shell)
+            if input:
+                channel.sendall(input)
+            channel.shutdown_write()
+            stdout, stderr = self._collect(channel, shell, timeout)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise HostError(
+                self.host,
+                f"connection to {self.where} lost while running {shell[:120]!r}: {exc or type(exc).__name__}",
+            ) from None
+        code = channel.recv_exit_status()
+        channel.close()
+        if code == -1:
+            raise HostError(
+                self.host, f"connection to {self.where} lost: no exit status for {shell[:120]!r}"
+            )
+        result = Result(shell, code, stdout, stderr)
+        if check and code != 0:
+            raise CommandError(self.host, result)
+        return result
+
+    def _collect(
+        self, channel: paramiko.Channel, shell: str, timeout: float | None
+    ) -> tuple[bytes, bytes]:
+        out, err = bytearray(), bytearray()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            got = False
+            while channel.recv_ready():
+                out += channel.recv(1 << 16)
+                got = True
+            while channel.recv_stderr_ready():
+                err += channel.recv_stderr(1 << 16)
+                got = True
+            if (
+                channel.exit_status_ready()
+                and not channel.recv_ready()
+                and not channel.recv_stderr_ready()
+            ):
+                return bytes(out), bytes(err)
+            if channel.closed and not got:
+                return bytes(out), bytes(err)
+            if deadline is not None and time.monotonic() > deadline:
+                channel.close()
+                raise CommandTimeout(
+                    self.host,
+                    f"command timed out after {timeout:.0f}s (it may still be running on the host): {shell[:200]}",
+                )
+            if not got:
+                select.select([channel], [], [], 0.05)
+
+    def host_key(self) -> paramiko.PKey:
+        """The key the server presents (no authentication, nothing recorded): for `trust`."""
+        sock: Any
+        if isinstance(self.fabric.gateway, FabricConnection):
+            _prepare_keys(self.fabric.gateway, self.spec, None)
+            sock = self.fabric.open_gateway()
+        else:
+            try:
+                sock = socket.create_connection(
+                    (self.fabric.host, self.fabric.port), timeout=self.timeout
+                )
+            except OSError as exc:
+                raise HostError(
+                    self.host, f"cannot reach {self.fabric.host}:{self.fabric.port}: {exc}"
+                ) from None
+        transport = paramiko.Transport(sock)
+        try:
+            transport.start_client(timeout=self.timeout)
+            return transport.get_remote_server_key()
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise HostError(
+                self.host, f"no SSH server answered at {self.fabric.host}:{self.fabric.port}: {exc}"
+            ) from None
+        finally:
+            transport.close()
+
+    def key_name(self) -> str:
+        return key_name(self.fabric.host, self.fabric.port)
+
+    def close(self) -> None:
+        self.fabric.close()
+
+
+def pinned_key(line: str) -> paramiko.PKey:
+    return parse_key_line(line)

@@ -1,0 +1,54 @@
+"""Many hosts at once: a bounded pool (``--forks``), and every host's outcome kept.
+
+Like Fabric's GroupResult, each host maps to its result or its error; one unreachable host never
+hides what happened on the others. Unlike Fabric's ThreadingGroup, the pool is bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from dflashops.config.inventory import Host
+from dflashops.errors import DflashopsError
+
+T = TypeVar("T")
+DEFAULT_FORKS = 10
+
+
+@dataclass(frozen=True)
+class Outcome(Generic[T]):
+    host: str
+    value: T | None = None
+    error: str | None = None
+    unexpected: bool = False  # an exception that is a dflashops bug, not a host problem
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+def on_hosts(
+    hosts: Sequence[Host], fn: Callable[[Host], T], forks: int = DEFAULT_FORKS
+) -> dict[str, Outcome[T]]:
+    """Run ``fn`` for every host, at most ``forks`` at a time; results in the hosts' order."""
+
+    def one(host: Host) -> Outcome[T]:
+        try:
+            return Outcome(host.name, value=fn(host))
+        except DflashopsError as exc:
+            return Outcome(host.name, error=str(exc))
+        except Exception as exc:  # reported per host: one bug never hides the other hosts
+            return Outcome(
+                host.name, error=f"internal error ({type(exc).__name__}: {exc})", unexpected=True
+            )
+
+    if not hosts:
+        return {}
+    with ThreadPoolExecutor(
+        max_workers=max(1, min(forks, len(hosts))), thread_name_prefix="host"
+    ) as pool:
+        outcomes = list(pool.map(one, hosts))
+    return {o.host: o for o in outcomes}

@@ -1,0 +1,238 @@
+"""The SSH layer against real sshd hosts: host keys, errors, commands, verified transfer."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fleet import Fleet, FleetFactory, FleetUnsupported
+
+from dflashops.config.inventory import Host
+from dflashops.config.load import load_inventory
+from dflashops.errors import HostError, TransferError
+from dflashops.hosts.connection import CommandError, CommandTimeout
+from dflashops.hosts.hostkeys import ChangedHostKey, UnknownHostKey
+from dflashops.hosts.ssh import SshConnection
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty controller HOME (no ~/.ssh/config, no known_hosts) and own known_hosts file."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("DFLASHOPS_KNOWN_HOSTS", str(tmp_path / "dflashops_known_hosts"))
+    return home
+
+
+def host_of(fleet: Fleet, name: str, tmp_path: Path, **overrides: Any) -> Host:
+    path = tmp_path / f"inventory-{name}.yaml"
+    path.write_text(yaml.safe_dump({"hosts": {name: fleet[name].inventory_entry(**overrides)}}))
+    return load_inventory(path).hosts[name]
+
+
+def trust_fleet(fleet: Fleet, home: Path) -> None:
+    shutil.copy(fleet.known_hosts_path, home / ".ssh" / "known_hosts")
+
+
+def test_commands_with_known_host(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
+    trust_fleet(fleet4, home)
+    conn = SshConnection(host_of(fleet4, "h1", tmp_path))
+    try:
+        result = conn.run(["printf", "%s|", "a b", "$(x)"])
+        assert result.out == "a b|$(x)|"
+        echo = conn.run("cat; echo done >&2", input=b"payload\x00bytes")
+        assert echo.stdout == b"payload\x00bytes" and echo.err == "done\n"
+        with pytest.raises(CommandError) as exc:
+            conn.run("echo before; echo broken >&2; exit 3")
+        message = str(exc.value)
+        assert "[h1] command failed with exit code 3" in message and "broken" in message and "before" in message
+        assert conn.run("exit 4", check=False).exit_code == 4
+        with pytest.raises(CommandTimeout, match="timed out after 1s"):
+            conn.run("sleep 5", timeout=1)
+        assert conn.run("echo still usable").out == "still usable\n"
+        # The fake host's environment: its own PATH with a fake nvidia-smi.
+        assert "GPU 7:" in conn.run("nvidia-smi -L").out
+    finally:
+        conn.close()
+
+
+def test_unknown_host_key_is_refused_under_strict(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
+    conn = SshConnection(host_of(fleet4, "h2", tmp_path))
+    with pytest.raises(UnknownHostKey) as exc:
+        conn.run("touch /tmp/should-not-happen")
+    message = str(exc.value)
+    h2 = fleet4["h2"]
+    assert f"[h2] host key of [{h2.address}]:{h2.port} is unknown" in message
+    assert h2.fingerprint() in message and "dflashops trust --host h2" in message
+
+
+def test_pinned_host_key_beats_known_hosts(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
+    h3 = fleet4["h3"]
+    conn = SshConnection(host_of(fleet4, "h3", tmp_path, host_key=h3.host_key_line()))
+    assert conn.run("echo pinned").out == "pinned\n"
+    conn.close()
+    wrong = fleet4["h1"].host_key_line()
+    bad = SshConnection(host_of(fleet4, "h3", tmp_path, host_key=wrong))
+    with pytest.raises(ChangedHostKey) as exc:
+        bad.run("echo no")
+    message = str(exc.value)
+    assert "CHANGED" in message and "the inventory's host_key" in message
+    assert h3.fingerprint() in message and fleet4["h1"].fingerprint() in message
+
+
+def test_accept_new_records_then_refuses_a_changed_key(fleet_factory: FleetFactory, home: Path, tmp_path: Path) -> None:
+    fleet = fleet_factory("node")
+    node = fleet["node"]
+    host = host_of(fleet, "node", tmp_path, host_key_policy="accept-new")
+    conn = SshConnection(host)
+    assert conn.run("echo first").out == "first\n"
+    conn.close()
+    recorded = (tmp_path / "dflashops_known_hosts").read_text()
+    assert f"[{node.address}]:{node.port} ssh-ed25519" in recorded
+    old = node.fingerprint()
+    node.rotate_host_key()  # the node is re-provisioned
+    again = SshConnection(host)
+    with pytest.raises(ChangedHostKey) as exc:
+        again.run("echo second")
+    message = str(exc.value)
+    assert f"[node] host key of [{node.address}]:{node.port} CHANGED" in message
+    assert old in message and node.fingerprint() in message
+    assert "dflashops trust --host node" in message
+
+
+def test_connection_errors_are_specific(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
+    trust_fleet(fleet4, home)
+    h1 = fleet4["h1"]
+    free_port = h1.port + 1 if h1.port < 65000 else h1.port - 1
+    refused = SshConnection(host_of(fleet4, "h1", tmp_path, port=free_port))
+    with pytest.raises(HostError, match=rf"connection refused at {h1.address}:{free_port}.*port right"):
+        refused.run("true")
+    other_key = tmp_path / "other_key"
+    import subprocess
+
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_key)], check=True)
+    denied = SshConnection(host_of(fleet4, "h1", tmp_path, key_file=str(other_key)))
+    with pytest.raises(HostError, match=rf"authentication failed for root@{h1.address}:{h1.port} with key\(s\) {other_key}"):
+        denied.run("true")
+    dns = SshConnection(host_of(fleet4, "h1", tmp_path, address="no-such-host.invalid"))
+    with pytest.raises(HostError, match="cannot resolve 'no-such-host.invalid'"):
+        dns.run("true")
+
+
+def test_ssh_config_alias_and_proxyjump(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
+    trust_fleet(fleet4, home)
+    h1, h2 = fleet4["h1"], fleet4["h2"]
+    key = fleet4.client_key_path
+    (home / ".ssh" / "config").write_text(
+        f"Host gpu-a\n  HostName {h1.address}\n  Port {h1.port}\n  User root\n  IdentityFile {key}\n\n"
+        f"Host gpu-b\n  HostName {h2.address}\n  Port {h2.port}\n  User root\n  IdentityFile {key}\n"
+        "  ProxyJump gpu-a\n"
+    )
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("hosts:\n  a: {address: gpu-a}\n  b: {address: gpu-b}\n")
+    hosts = load_inventory(inv).hosts
+    a = SshConnection(hosts["a"])
+    assert a.run("echo $FAKE_GPU_STATE").out.strip() == str(h1.gpu_dir)
+    b = SshConnection(hosts["b"])
+    assert b.run("echo $FAKE_GPU_STATE").out.strip() == str(h2.gpu_dir)
+    a.close()
+    b.close()
+
+
+def test_put_is_verified_atomic_and_keeps_prev(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
+    trust_fleet(fleet4, home)
+    conn = SshConnection(host_of(fleet4, "h4", tmp_path))
+    target = fleet4["h4"].workdir / "put-test" / "launch.sh"
+    first = b"#!/bin/sh\necho one\n"
+    assert conn.put(first, str(target), 0o755) == hashlib.sha256(first).hexdigest()
+    assert target.read_bytes() == first and target.stat().st_mode & 0o777 == 0o755
+    conn.put(b"two\n", str(target))
+    assert target.read_bytes() == b"two\n" and (target.parent / "launch.sh.prev").read_bytes() == first
+    assert conn.get(str(target)) == b"two\n"
+    with pytest.raises(CommandError, match="No such file"):
+        conn.get(str(target.parent / "missing"))
+    assert sorted(p.name for p in target.parent.iterdir()) == ["launch.sh", "launch.sh.prev"]
+    conn.close()
+
+
+def test_corrupted_transfer_is_caught(fleet_factory: FleetFactory, home: Path, tmp_path: Path) -> None:
+    fleet = fleet_factory("liar")
+    trust_fleet(fleet, home)
+    liar = fleet["liar"]
+    target = liar.workdir / "f.txt"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(b"old\n")
+    # This host's sha256sum reports a different hash, as a corrupted write would produce.
+    fake = liar.bin_dir / "sha256sum"
+    fake.write_text("#!/bin/sh\necho 0000000000000000000000000000000000000000000000000000000000000000  \"$2\"\n")
+    fake.chmod(0o755)
+    conn = SshConnection(host_of(fleet, "liar", tmp_path))
+    with pytest.raises(TransferError) as exc:
+        conn.put(b"new\n", str(target))
+    assert "sha256 mismatch on the host" in str(exc.value) and "previous version left in place" in str(exc.value)
+    assert target.read_bytes() == b"old\n"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["f.txt"]
+    fake.unlink()
+    conn.put(b"new\n", str(target))
+    assert target.read_bytes() == b"new\n"
+
+
+def test_full_disk_keeps_old_file(fleet_factory: FleetFactory, home: Path, tmp_path: Path) -> None:
+    try:
+        fleet = fleet_factory(tiny={"workdir_size_mib": 2})
+    except FleetUnsupported as exc:
+        pytest.fail(f"this machine cannot mount a small tmpfs for the full-disk test: {exc}")
+    trust_fleet(fleet, home)
+    target = fleet["tiny"].workdir / "payloads" / "big.bin"
+    conn = SshConnection(host_of(fleet, "tiny", tmp_path))
+    conn.put(b"small\n", str(target))
+    with pytest.raises(TransferError) as exc:
+        conn.put(b"x" * (4 << 20), str(target))
+    assert "No space left on device" in str(exc.value) or "disk full" in str(exc.value)
+    assert target.read_bytes() == b"small\n"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["big.bin"]
+
+
+def test_sshd_killed_mid_transfer(fleet_factory: FleetFactory, home: Path, tmp_path: Path) -> None:
+    fleet = fleet_factory("flaky")
+    trust_fleet(fleet, home)
+    flaky = fleet["flaky"]
+    target = flaky.workdir / "model.bin"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(b"old version\n")
+    conn = SshConnection(host_of(fleet, "flaky", tmp_path))
+    conn.run("true")
+    payload = b"y" * (64 << 20)  # big enough that the kill lands mid-stream
+    errors: list[BaseException] = []
+
+    def ship() -> None:
+        try:
+            conn.put(payload, str(target))
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=ship)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not any(p.name.startswith(".model.bin.dflashops-tmp") for p in target.parent.iterdir()):
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.005)
+    flaky.kill_sessions()
+    worker.join(30)
+    assert errors and isinstance(errors[0], HostError), errors
+    assert "lost" in str(errors[0]) or "failed" in str(errors[0])
+    assert target.read_bytes() == b"old version\n"
+    deadline = time.monotonic() + 5
+    while sorted(p.name for p in target.parent.iterdir()) != ["model.bin"]:
+        assert time.monotonic() < deadline, f"temporary file left: {list(target.parent.iterdir())}"
+        time.sleep(0.05)
+    rerun = SshConnection(host_of(fleet, "flaky", tmp_path))
+    rerun.put(b"new version\n", str(target))
+    assert target.read_bytes() == b"new version\n"
