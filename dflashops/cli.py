@@ -9,6 +9,7 @@ import sys
 from dflashops import __version__, commands
 from dflashops.errors import ConfigError, DflashopsError
 from dflashops.output import console, err
+from dflashops.run import DEFAULT_FORKS
 
 
 def _selection_options() -> argparse.ArgumentParser:
@@ -51,6 +52,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", metavar="FILE", help="write the results as JSON")
     p.add_argument(
         "--junit", dest="junit_path", metavar="FILE", help="write the results as JUnit XML"
+    )
+    p.add_argument(
+        "--live", action="store_true", help="also check the hosts (one facts round trip each)"
+    )
+    p.add_argument(
+        "--forks",
+        type=int,
+        default=DEFAULT_FORKS,
+        metavar="N",
+        help="hosts in parallel (default 10)",
     )
 
     r = sub.add_parser(
@@ -96,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
                 playbooks=args.playbook,
                 json_path=args.json_path,
                 junit_path=args.junit_path,
+                live=args.live,
+                forks=args.forks,
             )
         if args.command == "render":
             return commands.render(

@@ -16,11 +16,13 @@ from dflashops.config.playbook import PlaybookFile
 from dflashops.errors import DflashopsError
 from dflashops.hosts.hostkeys import fingerprint, lookup, parse_key_line, record
 from dflashops.hosts.ssh import SshConnection, user_known_hosts
+from dflashops.live import run_live
 from dflashops.output import escape
 from dflashops.plan import build_plan, topo_order
 from dflashops.preflight import Report, run_preflight, write_outputs
 from dflashops.project import find_inventory, select, split_names
 from dflashops.render import Rendered, render_plan, template_dirs
+from dflashops.run import DEFAULT_FORKS
 
 
 def preflight(
@@ -31,9 +33,13 @@ def preflight(
     playbooks: list[str] | None = None,
     json_path: str | None = None,
     junit_path: str | None = None,
+    live: bool = False,
+    forks: int = DEFAULT_FORKS,
 ) -> int:
     selection = select(find_inventory(inventory), playbooks or [], split_names(hosts))
     report = run_preflight(selection)
+    if live and report.plan is not None:
+        run_live(report.plan, report, forks)
     write_outputs(report, json_path, junit_path)
     print_report(out, report)
     return 0 if report.ok else 1
@@ -45,6 +51,10 @@ def print_report(out: Console, report: Report) -> None:
     for c in report.warnings:
         out.print(f"[yellow]WARN[/] {c.check}: {escape(c.message)}")
     hosts = sorted({r.unit.host.name for r in report.rendered})
+    live = sorted({c.subject for c in report.checks if c.check == "live-reachable"})
+    if live:
+        reached = sum(1 for c in report.checks if c.check == "live-reachable" and c.ok)
+        out.print(f"live: {reached} of {len(live)} host(s) reached ({', '.join(live)})")
     passed = sum(1 for c in report.checks if c.ok)
     verdict = "[green]preflight passed[/]" if report.ok else "[red]preflight failed[/]"
     out.print(

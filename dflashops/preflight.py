@@ -48,6 +48,7 @@ class Check:
 class Report:
     checks: list[Check] = field(default_factory=list)
     rendered: list[Rendered] = field(default_factory=list)
+    plan: Plan | None = None
 
     @property
     def errors(self) -> list[Check]:
@@ -70,6 +71,7 @@ def run_preflight(selection: Selection) -> Report:
     for problem in selection.problems:
         report.add(Check.failed("config", problem.file, problem))
     plan = build_plan(selection.inventory, selection.playbooks, selection.hosts)
+    report.plan = plan
     for problem in plan.problems:
         report.add(Check.failed("layout", problem.file, problem))
     for host, host_plan in plan.hosts.items():

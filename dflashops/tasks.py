@@ -13,6 +13,7 @@ from invoke.tasks import Task, task
 from dflashops import commands
 from dflashops.errors import ConfigError, DflashopsError
 from dflashops.output import console
+from dflashops.run import DEFAULT_FORKS
 
 SELECTION_HELP = {
     "inventory": "inventory file (default: inventory.yaml, else inventory.example.yaml)",
@@ -53,6 +54,8 @@ def _run(fn: object, **kwargs: object) -> None:
         **SELECTION_HELP,
         "json": "write the results as JSON",
         "junit": "write the results as JUnit XML",
+        "live": "also check the hosts (one facts round trip each)",
+        "forks": "hosts in parallel (default 10)",
     },
 )
 def preflight(
@@ -62,6 +65,8 @@ def preflight(
     playbook: list[str] | None = None,
     json: str | None = None,
     junit: str | None = None,
+    live: bool = False,
+    forks: int = DEFAULT_FORKS,
 ) -> None:
     """Offline checks for CI: validate, render, bash -n, compile payloads, check GPUs/ports/flags."""
     _run(
@@ -71,6 +76,8 @@ def preflight(
         playbooks=playbook,
         json_path=json,
         junit_path=junit,
+        live=live,
+        forks=forks,
     )
 
 

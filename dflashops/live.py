@@ -1,0 +1,207 @@
+"""Live pre-flight: what only the hosts can tell, one facts round trip per host.
+
+Reachable with the right key; at least the inventory's GPU count; free disk; a python that can
+run the payloads; the engines the playbooks use import on the host; model paths exist; every
+port a unit will listen on is free or held by that very unit.
+"""
+
+from __future__ import annotations
+
+from dflashops.config.inventory import Host
+from dflashops.config.playbook import ModelService, VllmService
+from dflashops.engines.base import HOST_PREFIX
+from dflashops.hosts import connect
+from dflashops.hosts.facts import HostFacts, gather_facts
+from dflashops.plan import HostPlan, Plan, Unit
+from dflashops.preflight import Check, Report
+from dflashops.run import on_hosts
+
+ENGINE_MODULES = {"sglang": "sglang", "vllm": "vllm"}
+MIN_FREE_BYTES = 1 << 30  # below this a deploy would fail on its first write
+LOW_FREE_BYTES = 20 << 30  # model-serving hosts fill up with logs and checkpoints
+MIN_PYTHON = (3, 9)
+
+
+def host_paths(units: list[Unit]) -> list[str]:
+    """Absolute model paths and host-side scripts the units rely on (hub ids are not paths)."""
+    paths: list[str] = []
+    for u in units:
+        spec = u.spec
+        if (
+            isinstance(spec, ModelService)
+            and spec.engine != "stub"
+            and spec.model.startswith(("/", "~"))
+        ):
+            paths.append(spec.model)
+        if (
+            isinstance(spec, VllmService)
+            and spec.launcher
+            and spec.launcher.script.startswith(HOST_PREFIX)
+        ):
+            paths.append(spec.launcher.script[len(HOST_PREFIX) :])
+    return sorted(set(paths))
+
+
+def gather(host_plan: HostPlan) -> HostFacts:
+    host = host_plan.host
+    imports = sorted(
+        {ENGINE_MODULES[u.engine] for u in host_plan.units if u.engine in ENGINE_MODULES}
+    )
+    conn = connect(host)
+    try:
+        return gather_facts(
+            conn, host.python, host.workdir, imports=imports, paths=host_paths(host_plan.units)
+        )
+    finally:
+        conn.close()
+
+
+def live_checks(host_plan: HostPlan, facts: HostFacts) -> list[Check]:
+    host = host_plan.host
+    checks = [Check("live-reachable", host.name, True, f"{facts.hostname}, python {facts.python}")]
+    checks.append(_gpus(host, facts, needs_real_gpus(host_plan.units)))
+    checks.append(_disk(host, facts))
+    checks.append(_python(host, facts))
+    for module, result in sorted(facts.imports.items()):
+        if result.ok:
+            checks.append(
+                Check("live-engines", f"{host.name}/{module}", True, result.version or "")
+            )
+        else:
+            detail = (result.error or "").strip().splitlines()[-1:] or ["no output"]
+            checks.append(
+                Check(
+                    "live-engines",
+                    f"{host.name}/{module}",
+                    False,
+                    f"[{host.name}] `{host.python} -c 'import {module}'` fails: {detail[0]}",
+                )
+            )
+    for path, found in sorted(facts.paths.items()):
+        ok = found.exists
+        checks.append(
+            Check(
+                "live-paths",
+                f"{host.name}:{path}",
+                ok,
+                "" if ok else f"[{host.name}] {path} does not exist on the host",
+            )
+        )
+    checks.extend(_ports(host_plan.units, facts))
+    return checks
+
+
+def needs_real_gpus(units: list[Unit]) -> bool:
+    """The stub only rehearses a GPU layout; anything else given GPUs needs them for real."""
+    return any(u.gpus and u.engine != "stub" for u in units)
+
+
+def _gpus(host: Host, facts: HostFacts, needed: bool) -> Check:
+    if host.gpus == 0:
+        return Check("live-gpus", host.name, True, "no GPUs expected")
+    if not needed and not facts.gpus.available:
+        return Check(
+            "live-gpus",
+            host.name,
+            True,
+            "no GPUs here, and only stub units (which use none) ask for them",
+        )
+    if not facts.gpus.available:
+        return Check(
+            "live-gpus",
+            host.name,
+            False,
+            f"[{host.name}] inventory says {host.gpus} GPUs but nvidia-smi is unusable: {facts.gpus.error}",
+        )
+    found = len(facts.gpus.devices)
+    if found < host.gpus:
+        return Check(
+            "live-gpus",
+            host.name,
+            False,
+            f"[{host.name}] inventory says {host.gpus} GPUs, nvidia-smi lists {found}",
+        )
+    return Check("live-gpus", host.name, True, f"{found} GPUs")
+
+
+def _disk(host: Host, facts: HostFacts) -> Check:
+    if facts.disk is None:
+        return Check(
+            "live-disk",
+            host.name,
+            False,
+            f"[{host.name}] could not measure free disk at {facts.workdir}",
+        )
+    free = facts.disk.free_bytes
+    where = f"{free / 2**30:.1f} GiB free at {facts.disk.path}"
+    if free < MIN_FREE_BYTES:
+        return Check(
+            "live-disk",
+            host.name,
+            False,
+            f"[{host.name}] only {where}: free space before deploying",
+        )
+    if free < LOW_FREE_BYTES:
+        return Check(
+            "live-disk",
+            host.name,
+            False,
+            f"[{host.name}] {where}: logs and checkpoints may fill it",
+            "warning",
+        )
+    return Check("live-disk", host.name, True, where)
+
+
+def _python(host: Host, facts: HostFacts) -> Check:
+    version = tuple(int(p) for p in facts.python.split(".")[:2] if p.isdigit())
+    if version < MIN_PYTHON:
+        return Check(
+            "live-python",
+            host.name,
+            False,
+            f"[{host.name}] {host.python} is Python {facts.python}; payloads need 3.9+",
+        )
+    return Check("live-python", host.name, True, facts.python)
+
+
+def _ports(units: list[Unit], facts: HostFacts) -> list[Check]:
+    checks = []
+    for u in units:
+        if u.port is None:
+            continue
+        listener = facts.listener(u.port)
+        subject = f"{u.host.name}/{u.name}:{u.port}"
+        if listener is None:
+            checks.append(Check("live-ports", subject, True, "free"))
+            continue
+        mine = facts.unit(u.name)
+        ours = mine is not None and mine.running and set(listener.pids) & set(mine.group_pids)
+        if ours:
+            checks.append(Check("live-ports", subject, True, f"held by {u.name} itself"))
+        else:
+            holder = (
+                f"pid {', '.join(map(str, listener.pids))}"
+                if listener.pids
+                else "a process we cannot see"
+            )
+            checks.append(
+                Check(
+                    "live-ports",
+                    subject,
+                    False,
+                    f"[{u.host.name}] port {u.port} for {u.name} is taken by {holder}, not by a dflashops unit",
+                )
+            )
+    return checks
+
+
+def run_live(plan: Plan, report: Report, forks: int) -> None:
+    hosts = list(plan.hosts.values())
+    by_name = {hp.host.name: hp for hp in hosts}
+    outcomes = on_hosts([hp.host for hp in hosts], lambda h: gather(by_name[h.name]), forks)
+    for name, outcome in outcomes.items():
+        if outcome.value is None:
+            report.add(Check("live-reachable", name, False, outcome.error or "unknown failure"))
+            continue
+        for check in live_checks(by_name[name], outcome.value):
+            report.add(check)

@@ -1,0 +1,3 @@
+"""Fake `sglang` package for the dflashops test fleet (stdlib only; serves the stub engine)."""
+
+__version__ = "0.5.23"

@@ -1,0 +1,334 @@
+"""The GPU-host doubles in tests/fakes, run the way the sshd test fleet runs them.
+
+Everything runs under the hosts' bare interpreter (/usr/bin/python3 when present) with
+PYTHONPATH=tests/fakes/pylib and FAKE_GPU_STATE=<tmp dir>, never importing dflashops.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fakes"))
+import harness
+from harness import HOST_PYTHON, Proc, free_port, host_env, request, run
+
+B200_MIB = 183359
+UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def smi(state: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return run([HOST_PYTHON, str(harness.NVIDIA_SMI), *args], host_env(state, **env))
+
+
+def smi_rows(state: Path, query: str, fields: str) -> list[list[str]]:
+    result = smi(state, f"--query-{query}={fields}", "--format=csv,noheader,nounits")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [line.split(", ") for line in result.stdout.splitlines()]
+
+
+def used_by_gpu(state: Path) -> dict[int, int]:
+    return {int(i): int(m) for i, m in smi_rows(state, "gpu", "index,memory.used")}
+
+
+def apps(state: Path) -> list[tuple[int, str, int]]:
+    rows = smi_rows(state, "compute-apps", "pid,gpu_uuid,used_memory")
+    return [(int(p), u, int(m)) for p, u, m in rows]
+
+
+def write_json(path: Path, obj: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
+
+
+def load_fakegpu():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(
+        "_fakegpu_under_test", harness.PYLIB / "_fakegpu.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------- nvidia-smi
+
+
+def test_query_gpu_defaults(tmp_path: Path) -> None:
+    rows = smi_rows(tmp_path, "gpu", "index,uuid,name,memory.used,memory.total")
+    assert len(rows) == 8
+    for i, (index, uuid, name, used, total) in enumerate(rows):
+        assert (index, name, used, total) == (str(i), "NVIDIA B200", "0", str(B200_MIB))
+        assert UUID.match(uuid)
+    assert len({r[1] for r in rows}) == 8
+    # deterministic per host directory, different across hosts
+    assert smi_rows(tmp_path, "gpu", "uuid") == [[r[1]] for r in rows]
+    other = tmp_path / "other-host"
+    other.mkdir()
+    assert smi_rows(other, "gpu", "uuid")[0] != [rows[0][1]]
+
+
+def test_query_gpu_config_order_and_units(tmp_path: Path) -> None:
+    write_json(
+        tmp_path / "config.json",
+        {"count": 2, "name": "NVIDIA RTX PRO 6000", "memory_total_mib": 97887},
+    )
+    assert smi_rows(tmp_path, "gpu", "memory.total,gpu_name,index") == [
+        ["97887", "NVIDIA RTX PRO 6000", "0"],
+        ["97887", "NVIDIA RTX PRO 6000", "1"],
+    ]
+    result = smi(tmp_path, "--query-gpu=index,memory.used,utilization.gpu", "--format=csv")
+    assert result.stdout.splitlines() == [
+        "index, memory.used [MiB], utilization.gpu [%]",
+        "0, 0 MiB, 0 %",
+        "1, 0 MiB, 0 %",
+    ]
+    rows = smi_rows(tmp_path, "gpu", "pci.bus_id,driver_version")
+    assert re.match(r"^[0-9A-F]{8}:[0-9A-F]{2}:00\.0$", rows[0][0]) and rows[0][1]
+    listed = smi(tmp_path, "-L").stdout.splitlines()
+    assert len(listed) == 2
+    assert re.match(r"^GPU 1: NVIDIA RTX PRO 6000 \(UUID: GPU-[0-9a-f-]+\)$", listed[1])
+    assert smi_rows(tmp_path, "gpu", "index") == [["0"], ["1"]]
+    assert smi(tmp_path, "-i", "1", "--query-gpu=index", "--format=csv,noheader").stdout == "1\n"
+
+
+def test_unknown_field_and_bare_table(tmp_path: Path) -> None:
+    bad = smi(tmp_path, "--query-gpu=index,xyz", "--format=csv")
+    assert bad.returncode == 2
+    assert bad.stdout.strip() == 'Field "xyz" is not a valid field to query.'
+    bad_app = smi(tmp_path, "--query-compute-apps=pid,bogus", "--format=csv")
+    assert bad_app.returncode == 2 and 'Field "bogus"' in bad_app.stdout
+    table = smi(tmp_path)
+    assert table.returncode == 0
+    assert "NVIDIA B200" in table.stdout and "No running processes found" in table.stdout
+
+
+def test_runs_directly_as_an_executable(tmp_path: Path) -> None:
+    assert os.access(harness.NVIDIA_SMI, os.X_OK)
+    result = run(["nvidia-smi", "-L"], host_env(tmp_path))  # found through the host PATH
+    assert result.returncode == 0 and result.stdout.count("GPU ") == 8
+
+
+# ----------------------------------------------------------------------------- GPU state
+
+
+def test_registered_process_counts_until_it_dies(tmp_path: Path) -> None:
+    code = "import _fakegpu, time; _fakegpu.register(1234); print('registered', flush=True); time.sleep(60)"
+    proc = Proc([HOST_PYTHON, "-c", code], host_env(tmp_path, CUDA_VISIBLE_DEVICES="1,3"))
+    try:
+        proc.wait_for_line("registered")
+        assert used_by_gpu(tmp_path) == {0: 0, 1: 1234, 2: 0, 3: 1234, 4: 0, 5: 0, 6: 0, 7: 0}
+        rows = apps(tmp_path)
+        uuids = {int(i): u for i, u in smi_rows(tmp_path, "gpu", "index,uuid")}
+        assert rows == [(proc.pid, uuids[1], 1234), (proc.pid, uuids[3], 1234)]
+        names = smi_rows(tmp_path, "compute-apps", "process_name")
+        assert all("python" in n[0] for n in names)
+        entry = json.loads((tmp_path / "procs" / f"{proc.pid}.json").read_text())
+        assert entry["pid"] == proc.pid and entry["gpus"] == [1, 3] and entry["used_mib"] == 1234
+    finally:
+        proc.stop(signal.SIGKILL)  # no atexit cleanup: readers must expire the entry
+    assert (tmp_path / "procs" / f"{proc.pid}.json").exists()
+    assert apps(tmp_path) == []
+    assert not (tmp_path / "procs" / f"{proc.pid}.json").exists()
+    assert set(used_by_gpu(tmp_path).values()) == {0}
+
+
+def test_clean_exit_unregisters(tmp_path: Path) -> None:
+    code = "import _fakegpu; p = _fakegpu.register(); assert p.exists(); print(p)"
+    result = run([HOST_PYTHON, "-c", code], host_env(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert not Path(result.stdout.strip()).exists()
+
+
+def test_dead_zombie_and_reused_pids_expire(tmp_path: Path) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    zombie = subprocess.Popen(["true"])  # not waited for until the end: stays a zombie
+    try:
+        deadline = time.monotonic() + 5
+        while "Z" not in Path(f"/proc/{zombie.pid}/stat").read_text().rsplit(")", 1)[1][:3]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        procs = tmp_path / "procs"
+        write_json(procs / f"{gone.pid}.json", {"pid": gone.pid, "gpus": [0], "used_mib": 10})
+        write_json(procs / f"{zombie.pid}.json", {"pid": zombie.pid, "gpus": [1], "used_mib": 20})
+        reused = {"pid": os.getpid(), "gpus": [2], "used_mib": 30, "start_time": "1"}
+        write_json(procs / f"{os.getpid()}.json", reused)
+        alive = {"pid": os.getpid(), "gpus": [3], "used_mib": 40}  # no start_time: pid only
+        write_json(procs / "alive.json", alive)
+        assert apps(tmp_path) == [(os.getpid(), smi_rows(tmp_path, "gpu", "uuid")[3][0], 40)]
+        assert sorted(p.name for p in procs.iterdir()) == ["alive.json"]
+    finally:
+        zombie.wait()
+
+
+def test_held_memory_never_expires(tmp_path: Path) -> None:
+    held = {"pid": 9999999, "gpus": [4, 5], "used_mib": 70123}
+    write_json(tmp_path / "held" / "leak.json", held)
+    for _ in range(2):
+        assert used_by_gpu(tmp_path)[4] == 70123 and used_by_gpu(tmp_path)[5] == 70123
+        assert [(p, m) for p, _, m in apps(tmp_path)] == [(9999999, 70123)] * 2
+    assert (tmp_path / "held" / "leak.json").exists()
+    assert smi_rows(tmp_path, "gpu", "memory.free")[4] == [str(B200_MIB - 70123)]
+
+
+def test_visible_gpus_and_no_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    fakegpu = load_fakegpu()
+    cfg = {"count": 8, "name": "x", "memory_total_mib": 1}
+    assert fakegpu.visible_gpus(cfg, {}) == list(range(8))
+    assert fakegpu.visible_gpus(cfg, {"CUDA_VISIBLE_DEVICES": "4,5"}) == [4, 5]
+    assert fakegpu.visible_gpus(cfg, {"CUDA_VISIBLE_DEVICES": "0,9,2"}) == [0]  # CUDA stops
+    assert fakegpu.visible_gpus(cfg, {"CUDA_VISIBLE_DEVICES": ""}) == []
+    monkeypatch.delenv("FAKE_GPU_STATE", raising=False)
+    assert fakegpu.register(100) is None
+    assert fakegpu.read_state()["apps"] == []
+
+
+# ----------------------------------------------------------------------------- fake sglang
+
+
+def sglang_argv(*flags: str) -> list[str]:
+    return [HOST_PYTHON, "-m", "sglang.launch_server", *flags]
+
+
+def test_fake_sglang_rejects_tp(tmp_path: Path) -> None:
+    result = run(sglang_argv("--model-path", "M", "--tp", "2"), host_env(tmp_path))
+    assert result.returncode == 2
+    assert "launch_server.py: error: unrecognized arguments: --tp 2" in result.stderr
+    result = run(sglang_argv("--model-path", "M", "--dp=2"), host_env(tmp_path))
+    assert result.returncode == 2 and "unrecognized arguments: --dp=2" in result.stderr
+    assert not (tmp_path / "procs").exists()
+
+
+def test_fake_sglang_serves_and_holds_gpu_memory(tmp_path: Path) -> None:
+    port = free_port()
+    flags = [
+        "--model-path", "/dev/shm/Qwen3.6-27B", "--host", "127.0.0.1", "--port", str(port),
+        "--tp-size", "2", "--dp-size", "1", "--mem-fraction-static", "0.5",
+        "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3",
+        "--chunked-prefill-size", "4096", "--enable-torch-compile", "--cuda-graph-max-bs-decode=64",
+    ]  # fmt: skip
+    env = host_env(tmp_path, CUDA_VISIBLE_DEVICES="2,3,5", DFLASHOPS_STUB_STARTUP_SECONDS="0.1")
+    proc = Proc(sglang_argv(*flags), env)
+    try:
+        proc.wait_http(port)
+        proc.wait_for_line("The server is fired up and ready to roll!")
+        info = request(port, "GET", "/server_info").json()
+        assert (info["tp_size"], info["dp_size"], info["port"]) == (2, 1, port)
+        assert info["model_path"] == "/dev/shm/Qwen3.6-27B"
+        assert info["speculative_algorithm"] == "NEXTN"
+        used = used_by_gpu(tmp_path)
+        assert used[2] == used[3] == int(0.5 * B200_MIB) and used[5] == 0
+        assert {p for p, _, _ in apps(tmp_path)} == {proc.pid}
+    finally:
+        code = proc.stop()
+    assert code == 0
+    assert apps(tmp_path) == []
+    assert "server_args=ServerArgs(" in proc.output
+
+
+def test_fake_sglang_needs_enough_gpus(tmp_path: Path) -> None:
+    flags = ("--model-path", "M", "--tp-size", "2", "--port", str(free_port()))
+    result = run(sglang_argv(*flags), host_env(tmp_path, CUDA_VISIBLE_DEVICES="0"))
+    assert result.returncode == 1
+    assert "RuntimeError: CUDA error: invalid device ordinal" in result.stderr
+    flags = ("--model-path", "M", "--base-gpu-id", "7", "--dp-size", "2", "--port", "1")
+    assert run(sglang_argv(*flags), host_env(tmp_path)).returncode == 1
+
+
+# ----------------------------------------------------------------------------- fake vllm
+
+
+def vllm_argv(*args: str) -> list[str]:
+    return [HOST_PYTHON, "-m", "vllm.entrypoints.cli.main", "serve", *args]
+
+
+def test_fake_vllm_rejects_unknown_flag(tmp_path: Path) -> None:
+    result = run(vllm_argv("M", "--tp-size", "2"), host_env(tmp_path))
+    assert result.returncode == 2
+    assert "vllm: error: unrecognized arguments: --tp-size 2" in result.stderr
+    version = run([HOST_PYTHON, "-m", "vllm.entrypoints.cli.main", "--version"], host_env())
+    assert version.stdout.strip() == "0.33.0"
+
+
+def test_fake_vllm_serves(tmp_path: Path) -> None:
+    port = free_port()
+    args = [
+        "/models/target", "-tp", "2", "--port", str(port), "--api-key", "k",
+        "--served-model-name", "target", "--gpu-memory-utilization", "0.5",
+        "--max-model-len", "8192", "--no-enable-prefix-caching", "--enforce-eager",
+    ]  # fmt: skip
+    env = host_env(tmp_path, CUDA_VISIBLE_DEVICES="6,7", DFLASHOPS_STUB_STARTUP_SECONDS="0.1")
+    proc = Proc(vllm_argv(*args), env)
+    try:
+        proc.wait_http(port)
+        proc.wait_for_line("Application startup complete.")
+        banner = proc.wait_for_line("non-default args:")
+        assert "'tensor_parallel_size': 2" in banner and "'data_parallel_size': 1" in banner
+        assert "'k'" not in banner
+        assert "vLLM API server version 0.33.0" in proc.output
+        assert request(port, "GET", "/version").json()["version"].startswith("0.33.0")
+        assert request(port, "GET", "/server_info").status == 404
+        assert request(port, "GET", "/v1/models").status == 401
+        models = request(port, "GET", "/v1/models", headers={"Authorization": "Bearer k"})
+        card = models.json()["data"][0]
+        assert (card["id"], card["root"], card["owned_by"]) == ("target", "/models/target", "vllm")
+        assert card["max_model_len"] == 8192
+        used = used_by_gpu(tmp_path)
+        assert used[6] == used[7] == int(0.5 * B200_MIB) and used[0] == 0
+    finally:
+        assert proc.stop() == 0
+
+
+def test_fake_vllm_dp_with_narrowed_devices_crashes_like_incident_2(tmp_path: Path) -> None:
+    args = ["M", "-tp", "2", "-dp", "2", "--port", str(free_port())]
+    env = host_env(tmp_path, CUDA_VISIBLE_DEVICES="0,1,2,3")
+    result = run(vllm_argv(*args), env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert "'tensor_parallel_size': 2" in out and "'data_parallel_size': 2" in out
+    assert re.search(r"\(EngineCore_DP1 pid=\d+\) .*DP adjusted local rank 2 is out of bounds", out)
+    assert "BrokenPipeError: [Errno 32] Broken pipe" in out
+    assert apps(tmp_path) == []
+
+
+def test_fake_vllm_dp_without_narrowing_needs_enough_gpus(tmp_path: Path) -> None:
+    write_json(tmp_path / "config.json", {"count": 2})
+    result = run(vllm_argv("M", "-tp", "2", "-dp", "2", "--port", "1"), host_env(tmp_path))
+    assert result.returncode == 1 and "out of bounds" in result.stdout + result.stderr
+    port = free_port()
+    env = host_env(tmp_path, DFLASHOPS_STUB_STARTUP_SECONDS="0.05")
+    proc = Proc(vllm_argv("M", "-dp", "2", "--port", str(port)), env)  # 2 GPUs, dp 2: fine
+    try:
+        proc.wait_http(port)
+    finally:
+        assert proc.stop() == 0
+
+
+def test_fake_launch_vllm_execs_vllm_in_place(tmp_path: Path) -> None:
+    port = free_port()
+    argv = [
+        HOST_PYTHON, str(harness.LAUNCH_VLLM), "/models/target",
+        "--hidden-states-path", str(tmp_path / "hs"), "--target-layer-ids", "2", "14", "27",
+        "--", "-tp", "1", "--port", str(port), "--api-key", "sekret",
+    ]  # fmt: skip
+    env = host_env(tmp_path, CUDA_VISIBLE_DEVICES="4", DFLASHOPS_STUB_STARTUP_SECONDS="0.05")
+    env.pop("PYTHONPATH")  # the launcher finds the fake vllm package itself
+    proc = Proc(argv, env)
+    try:
+        proc.wait_http(port)
+        first = proc.lines[0]
+        assert "launch_vllm.py" in first and "target_layer_ids=[2, 14, 27]" in first
+        assert "sekret" not in proc.output
+        assert [p for p, _, _ in apps(tmp_path)] == [proc.pid]  # execv kept the pid
+    finally:
+        assert proc.stop() == 0
