@@ -27,7 +27,9 @@ def controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def test_live_preflight_reports_every_host(fleet4: Fleet, controller: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_live_preflight_reports_every_host(
+    fleet4: Fleet, controller: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shutil.copy(fleet4.known_hosts_path, controller / "home" / ".ssh" / "known_hosts")
     model = fleet4["h1"].workdir.parent / "models" / "Qwen3.6-27B"
     model.mkdir(parents=True, exist_ok=True)
@@ -45,7 +47,13 @@ def test_live_preflight_reports_every_host(fleet4: Fleet, controller: Path, caps
                 "name": "p",
                 "hosts": ["h1", "h2", "h3", "h4"],
                 "services": [
-                    {"name": "sglang", "engine": "sglang", "model": str(model), "replicas": 2, "port": 30000},
+                    {
+                        "name": "sglang",
+                        "engine": "sglang",
+                        "model": str(model),
+                        "replicas": 2,
+                        "port": 30000,
+                    },
                     {"name": "vllm", "engine": "vllm", "model": "/nowhere/model", "port": 8000},
                 ],
             }
@@ -58,7 +66,16 @@ def test_live_preflight_reports_every_host(fleet4: Fleet, controller: Path, caps
     blocker.bind(("127.0.0.1", 8000))
     blocker.listen()
     try:
-        code = main(["preflight", "--live", "-i", str(controller / "inventory.yaml"), "--json", str(controller / "r.json")])
+        code = main(
+            [
+                "preflight",
+                "--live",
+                "-i",
+                str(controller / "inventory.yaml"),
+                "--json",
+                str(controller / "r.json"),
+            ]
+        )
     finally:
         blocker.close()
     out = capsys.readouterr().out
@@ -81,7 +98,9 @@ def test_live_preflight_unreachable_host_does_not_hide_others(
     hosts = {name: fleet[name].inventory_entry(gpus=0) for name in ("up", "down", "stranger")}
     (controller / "inventory.yaml").write_text(yaml.safe_dump({"hosts": hosts}))
     (controller / "playbooks").mkdir()
-    (controller / "playbooks" / "p.yaml").write_text("name: p\nhosts: [up, down, stranger]\njobs:\n  - {name: j, command: [sleep, '1']}\n")
+    (controller / "playbooks" / "p.yaml").write_text(
+        "name: p\nhosts: [up, down, stranger]\njobs:\n  - {name: j, command: [sleep, '1']}\n"
+    )
     assert main(["preflight", "--live", "-i", str(controller / "inventory.yaml")]) == 1
     out = capsys.readouterr().out
     assert "live: 1 of 3 host(s) reached" in out
@@ -89,7 +108,9 @@ def test_live_preflight_unreachable_host_does_not_hide_others(
     assert "[stranger] host key of" in out and "CHANGED" in out
 
 
-def test_facts_from_16_hosts_take_one_ssh_command_each(fleet_factory: FleetFactory, controller: Path) -> None:
+def test_facts_from_16_hosts_take_one_ssh_command_each(
+    fleet_factory: FleetFactory, controller: Path
+) -> None:
     fleet = fleet_factory(*[f"n{i:02d}" for i in range(16)])
     shutil.copy(fleet.known_hosts_path, controller / "home" / ".ssh" / "known_hosts")
     path = controller / "inventory.yaml"
@@ -103,7 +124,9 @@ def test_facts_from_16_hosts_take_one_ssh_command_each(fleet_factory: FleetFacto
 
     outcomes = on_hosts(list(inventory.hosts.values()), facts, forks=16)
     assert all(o.ok for o in outcomes.values()), [o.error for o in outcomes.values() if not o.ok]
-    assert {name: c.commands for name, c in connections.items()} == {name: 1 for name in inventory.hosts}
+    assert {name: c.commands for name, c in connections.items()} == {
+        name: 1 for name in inventory.hosts
+    }
     for name, outcome in outcomes.items():
         assert outcome.value is not None and outcome.value.workdir == str(fleet[name].workdir)
         assert len(outcome.value.gpus.devices) == 8
@@ -114,6 +137,12 @@ def test_facts_from_16_hosts_take_one_ssh_command_each(fleet_factory: FleetFacto
 def test_bench_facts_runs(fleet_factory: FleetFactory, controller: Path) -> None:
     """The benchmark script itself works (its numbers are read by people, not asserted)."""
     bench = Path(__file__).resolve().parents[2] / "bench" / "bench_facts.py"
-    proc = subprocess.run([sys.executable, str(bench), "--hosts", "1,2", "--rounds", "1"], capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(bench), "--hosts", "1,2", "--rounds", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "hosts=2" in proc.stdout and "ssh_commands_per_host=1" in proc.stdout

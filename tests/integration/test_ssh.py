@@ -52,7 +52,11 @@ def test_commands_with_known_host(fleet4: Fleet, home: Path, tmp_path: Path) -> 
         with pytest.raises(CommandError) as exc:
             conn.run("echo before; echo broken >&2; exit 3")
         message = str(exc.value)
-        assert "[h1] command failed with exit code 3" in message and "broken" in message and "before" in message
+        assert (
+            "[h1] command failed with exit code 3" in message
+            and "broken" in message
+            and "before" in message
+        )
         assert conn.run("exit 4", check=False).exit_code == 4
         with pytest.raises(CommandTimeout, match="timed out after 1s"):
             conn.run("sleep 5", timeout=1)
@@ -63,7 +67,9 @@ def test_commands_with_known_host(fleet4: Fleet, home: Path, tmp_path: Path) -> 
         conn.close()
 
 
-def test_unknown_host_key_is_refused_under_strict(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
+def test_unknown_host_key_is_refused_under_strict(
+    fleet4: Fleet, home: Path, tmp_path: Path
+) -> None:
     conn = SshConnection(host_of(fleet4, "h2", tmp_path))
     with pytest.raises(UnknownHostKey) as exc:
         conn.run("touch /tmp/should-not-happen")
@@ -87,7 +93,9 @@ def test_pinned_host_key_beats_known_hosts(fleet4: Fleet, home: Path, tmp_path: 
     assert h3.fingerprint() in message and fleet4["h1"].fingerprint() in message
 
 
-def test_accept_new_records_then_refuses_a_changed_key(fleet_factory: FleetFactory, home: Path, tmp_path: Path) -> None:
+def test_accept_new_records_then_refuses_a_changed_key(
+    fleet_factory: FleetFactory, home: Path, tmp_path: Path
+) -> None:
     fleet = fleet_factory("node")
     node = fleet["node"]
     host = host_of(fleet, "node", tmp_path, host_key_policy="accept-new")
@@ -112,17 +120,24 @@ def test_connection_errors_are_specific(fleet4: Fleet, home: Path, tmp_path: Pat
     h1 = fleet4["h1"]
     free_port = h1.port + 1 if h1.port < 65000 else h1.port - 1
     refused = SshConnection(host_of(fleet4, "h1", tmp_path, port=free_port))
-    with pytest.raises(HostError, match=rf"connection refused at {h1.address}:{free_port}.*port right"):
+    with pytest.raises(
+        HostError, match=rf"connection refused at {h1.address}:{free_port}.*port right"
+    ):
         refused.run("true")
     other_key = tmp_path / "other_key"
     import subprocess
 
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_key)], check=True)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_key)], check=True
+    )
     denied = SshConnection(host_of(fleet4, "h1", tmp_path, key_file=str(other_key)))
-    with pytest.raises(HostError, match=rf"authentication failed for root@{h1.address}:{h1.port} with key\(s\) {other_key}"):
+    with pytest.raises(
+        HostError,
+        match=rf"authentication failed for root@{h1.address}:{h1.port} with key\(s\) {other_key}",
+    ):
         denied.run("true")
     dns = SshConnection(host_of(fleet4, "h1", tmp_path, address="no-such-host.invalid"))
-    with pytest.raises(HostError, match="cannot resolve 'no-such-host.invalid'"):
+    with pytest.raises(HostError, match=r"cannot resolve 'no-such-host\.invalid'"):
         dns.run("true")
 
 
@@ -154,7 +169,9 @@ def test_put_is_verified_atomic_and_keeps_prev(fleet4: Fleet, home: Path, tmp_pa
     assert conn.put(first, str(target), 0o755) == hashlib.sha256(first).hexdigest()
     assert target.read_bytes() == first and target.stat().st_mode & 0o777 == 0o755
     conn.put(b"two\n", str(target))
-    assert target.read_bytes() == b"two\n" and (target.parent / "launch.sh.prev").read_bytes() == first
+    assert (
+        target.read_bytes() == b"two\n" and (target.parent / "launch.sh.prev").read_bytes() == first
+    )
     assert conn.get(str(target)) == b"two\n"
     with pytest.raises(CommandError, match="No such file"):
         conn.get(str(target.parent / "missing"))
@@ -162,7 +179,9 @@ def test_put_is_verified_atomic_and_keeps_prev(fleet4: Fleet, home: Path, tmp_pa
     conn.close()
 
 
-def test_corrupted_transfer_is_caught(fleet_factory: FleetFactory, home: Path, tmp_path: Path) -> None:
+def test_corrupted_transfer_is_caught(
+    fleet_factory: FleetFactory, home: Path, tmp_path: Path
+) -> None:
     fleet = fleet_factory("liar")
     trust_fleet(fleet, home)
     liar = fleet["liar"]
@@ -171,12 +190,16 @@ def test_corrupted_transfer_is_caught(fleet_factory: FleetFactory, home: Path, t
     target.write_bytes(b"old\n")
     # This host's sha256sum reports a different hash, as a corrupted write would produce.
     fake = liar.bin_dir / "sha256sum"
-    fake.write_text("#!/bin/sh\necho 0000000000000000000000000000000000000000000000000000000000000000  \"$2\"\n")
+    fake.write_text(
+        '#!/bin/sh\necho 0000000000000000000000000000000000000000000000000000000000000000  "$2"\n'
+    )
     fake.chmod(0o755)
     conn = SshConnection(host_of(fleet, "liar", tmp_path))
     with pytest.raises(TransferError) as exc:
         conn.put(b"new\n", str(target))
-    assert "sha256 mismatch on the host" in str(exc.value) and "previous version left in place" in str(exc.value)
+    assert "sha256 mismatch on the host" in str(
+        exc.value
+    ) and "previous version left in place" in str(exc.value)
     assert target.read_bytes() == b"old\n"
     assert sorted(p.name for p in target.parent.iterdir()) == ["f.txt"]
     fake.unlink()

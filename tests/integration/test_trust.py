@@ -53,7 +53,9 @@ def test_trust_records_and_reprovisioned_node_needs_it_again(
     assert len((controller / "known_hosts").read_text().splitlines()) == 1
 
 
-def test_trust_reports_a_pin_mismatch(fleet_factory: FleetFactory, controller: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_trust_reports_a_pin_mismatch(
+    fleet_factory: FleetFactory, controller: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     fleet = fleet_factory("a", "b")
     inventory = controller / "inventory.yaml"
     entry = fleet["a"].inventory_entry(host_key=fleet["b"].host_key_line())
