@@ -58,7 +58,8 @@ def _prepare_keys(conn: FabricConnection, host: Host, pinned: str | None) -> lis
 
 def fabric_connection(host: Host, timeout: float = CONNECT_TIMEOUT) -> FabricConnection:
     assert host.address is not None  # the inventory loader guarantees it for ssh hosts
-    connect_kwargs: dict[str, Any] = {}
+    # A port that accepts TCP but never speaks SSH must fail in `timeout`, not paramiko's 15 s+.
+    connect_kwargs: dict[str, Any] = {"banner_timeout": timeout, "auth_timeout": timeout}
     if host.key_file:
         connect_kwargs["key_filename"] = [str(Path(host.key_file).expanduser())]
     return FabricConnection(

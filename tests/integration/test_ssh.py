@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -125,8 +127,6 @@ def test_connection_errors_are_specific(fleet4: Fleet, home: Path, tmp_path: Pat
     ):
         refused.run("true")
     other_key = tmp_path / "other_key"
-    import subprocess
-
     subprocess.run(
         ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_key)], check=True
     )
@@ -259,3 +259,39 @@ def test_sshd_killed_mid_transfer(fleet_factory: FleetFactory, home: Path, tmp_p
     rerun = SshConnection(host_of(fleet, "flaky", tmp_path))
     rerun.put(b"new version\n", str(target))
     assert target.read_bytes() == b"new version\n"
+
+
+def test_silent_port_times_out(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
+    """A port that accepts TCP but never answers (a wedged sshd, the wrong service)."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        host = host_of(fleet4, "h1", tmp_path, address="127.0.0.1", port=silent.getsockname()[1])
+        started = time.monotonic()
+        with pytest.raises(HostError, match="cannot connect to|timed out"):
+            SshConnection(host, timeout=1).run("true")
+        assert time.monotonic() - started < 10
+    finally:
+        silent.close()
+
+
+@pytest.mark.parametrize(
+    ("python", "message"),
+    [
+        ("/bin/true", "printed nothing"),
+        ("/bin/echo", "not a JSON report"),
+        ("/nonexistent/python3", "not found on the host"),
+    ],
+)
+def test_facts_payload_failures_are_errors_not_empty_hosts(
+    fleet4: Fleet, home: Path, tmp_path: Path, python: str, message: str
+) -> None:
+    from dflashops.hosts.facts import FactsError, gather_facts
+
+    trust_fleet(fleet4, home)
+    conn = SshConnection(host_of(fleet4, "h2", tmp_path))
+    with pytest.raises(FactsError) as exc:
+        gather_facts(conn, python, str(fleet4["h2"].workdir))
+    assert "[h2]" in str(exc.value) and message in str(exc.value)
+    conn.close()
