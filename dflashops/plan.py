@@ -157,7 +157,9 @@ def _expand_for_host(book: Playbook, host: Host, problems: list[Problem]) -> Pla
         if isinstance(value, str) and "{{" in value:
             try:
                 return _values_env.from_string(value).render(variables)
-            except TemplateError as exc:
+            except Exception as exc:  # a {{ 1/0 }} is the user's input: report it, never crash
+                if not isinstance(exc, TemplateError):
+                    exc = TemplateError(f"{type(exc).__name__}: {exc}")
                 errors.append(
                     book.doc.problem(path, f"[{host.name}] cannot fill in {value!r}: {exc}")
                 )
@@ -380,6 +382,7 @@ def _link_jobs(units: list[Unit], problems: list[Problem]) -> list[Unit]:
     by_service: dict[str, list[Unit]] = {}
     for u in units:
         by_service.setdefault(u.service, []).append(u)
+    by_unit = {u.name: u for u in units}
     out = []
     for u in units:
         if not isinstance(u.spec, Job):
@@ -392,6 +395,8 @@ def _link_jobs(units: list[Unit], problems: list[Problem]) -> list[Unit]:
                 problems.append(u.problem("a job cannot need itself", "needs", i))
             elif name in by_service:
                 needs.extend(x.name for x in by_service[name] if x.name not in needs)
+            elif name in by_unit:
+                needs.append(name) if name not in needs else None
             else:
                 problems.append(
                     u.problem(
@@ -426,7 +431,8 @@ def _link_jobs(units: list[Unit], problems: list[Problem]) -> list[Unit]:
 
 def _url_host(unit: Unit) -> str:
     bind = unit.spec.bind if not isinstance(unit.spec, Job) else "127.0.0.1"
-    return "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+    host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+    return f"[{host}]" if ":" in host else host
 
 
 def _check_cycles(units: list[Unit]) -> list[Problem]:

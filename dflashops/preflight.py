@@ -9,6 +9,7 @@ lists. Results are per check and subject, for humans (text) and CI (JSON, JUnit 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,7 @@ from dflashops.project import Selection
 from dflashops.render import Rendered, render_plan, template_dirs
 
 Severity = Literal["error", "warning"]
+FLAG_TOKEN = re.compile(r"^--?[A-Za-z]")  # -1 or -0.5 are values, not flags
 
 
 @dataclass
@@ -155,7 +157,9 @@ def engine_flags(r: Rendered) -> list[Check]:
     list_name = "vllm" if engine == "vllm" else "sglang"
     allowed = known_flags(list_name)
     unknown = [
-        t.split("=", 1)[0] for t in argv if t.startswith("-") and t.split("=", 1)[0] not in allowed
+        t.split("=", 1)[0]
+        for t in argv
+        if FLAG_TOKEN.match(t) and t.split("=", 1)[0] not in allowed
     ]
     check = f"{list_name}-flags"
     if not unknown:

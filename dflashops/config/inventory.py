@@ -10,8 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dflashops.config.types import (
     Address,
-    EnvName,
-    EnvValue,
+    Env,
     HostKey,
     Name,
     PathStr,
@@ -73,7 +72,7 @@ class HostSettings(StrictModel):
         ),
     ] = None
     env: Annotated[
-        dict[EnvName, EnvValue],
+        Env,
         Field(description="Environment for every unit on the host (merged with defaults.env)."),
     ] = Field(default_factory=dict)
     vars: Annotated[

@@ -156,7 +156,18 @@ def _data_path(data: Any, loc: tuple[Any, ...]) -> PathKey:
     validator names such as 'sglang' or 'function-after[...]')."""
     path: list[str | int] = []
     node = data
+    after_index = False
     for part in loc:
+        if (
+            after_index
+            and isinstance(node, dict)
+            and part in ENGINES
+            and node.get("engine") == part
+        ):
+            # The discriminated union's tag (a service's engine), not a key: `command` is both.
+            after_index = False
+            continue
+        after_index = isinstance(part, int)
         if (isinstance(node, dict) and part in node) or (
             isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
         ):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from dflashops.config.inventory import StrictModel
-from dflashops.config.types import FLAG_RE, EnvName, EnvValue, Name, PathStr, Port, Seconds, Text
+from dflashops.config.types import FLAG_RE, Env, EnvName, Name, PathStr, Port, Seconds, Text
 
 Scalar = str | int | float | bool
 # `key: value` -> --key value; true -> --key; false/null -> omitted; a list -> --key v1 v2;
@@ -25,6 +26,14 @@ def _check_args(args: dict[str, Any]) -> dict[str, Any]:
                 "(letters, digits, '-', '_', '.')"
             )
     for key, value in args.items():
+        try:
+            # Mappings become --key '<JSON>', and every string lands in a script: both must be
+            # plain JSON-able text (no YAML dates or binary, no lone surrogates, string keys).
+            json.dumps(value, sort_keys=True, ensure_ascii=False).encode("utf-8")
+        except (TypeError, ValueError, UnicodeEncodeError):
+            raise ValueError(
+                f"argument {key!r} must be plain text, numbers, booleans, lists or mappings with string keys"
+            ) from None
         items = value if isinstance(value, list) else [value]
         for item in items:
             if isinstance(item, str) and "\x00" in item:
@@ -56,9 +65,9 @@ class UnitBase(StrictModel):
     name: Annotated[
         Name, Field(description="Unit name (lowercase letters, digits, '-'); unique per host.")
     ]
-    env: Annotated[
-        dict[EnvName, EnvValue], Field(description="Environment variables for this unit.")
-    ] = Field(default_factory=dict)
+    env: Annotated[Env, Field(description="Environment variables for this unit.")] = Field(
+        default_factory=dict
+    )
     secret_env: Annotated[
         dict[EnvName, EnvName],
         Field(

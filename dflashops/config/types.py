@@ -51,13 +51,31 @@ def _path(value: str) -> str:
         raise ValueError("path is empty")
     if "\n" in value or "\r" in value or "\x00" in value:
         raise ValueError("paths may not contain newlines or NUL characters")
-    return value
+    return _text(value)
 
 
 def _text(value: str) -> str:
     if "\x00" in value:
         raise ValueError("values may not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("values must be valid Unicode text (found a lone surrogate)") from None
     return value
+
+
+RESERVED_ENV = ("CUDA_VISIBLE_DEVICES",)
+
+
+def _env_keys(env: dict[str, object]) -> dict[str, object]:
+    for key in env:
+        if key in RESERVED_ENV or (
+            key.startswith("DFLASHOPS_") and not key.startswith("DFLASHOPS_STUB_")
+        ):
+            raise ValueError(
+                f"{key} is set by dflashops itself (GPUs come from `gpus:`, DFLASHOPS_* describe the unit); remove it"
+            )
+    return env
 
 
 def _address(value: str) -> str:
@@ -134,3 +152,4 @@ User = Annotated[str, AfterValidator(_user)]
 HostKey = Annotated[str, AfterValidator(_host_key)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[float, BeforeValidator(parse_duration)]
+Env = Annotated[dict[EnvName, EnvValue], AfterValidator(_env_keys)]

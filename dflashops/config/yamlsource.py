@@ -114,6 +114,8 @@ def parse_yaml(text: str, file: str) -> Document:
     """Parse one YAML document; raise ConfigError naming file, line and column on any problem."""
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise ConfigError([Problem(file, "invalid YAML: nested too deeply")]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         line, column = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
@@ -128,6 +130,8 @@ def parse_yaml(text: str, file: str) -> Document:
     builder = _Builder(file)
     try:
         data = builder.build(node, ())
+    except RecursionError:
+        raise ConfigError([Problem(file, "invalid YAML: nested too deeply")]) from None
     except _TooBig:
         raise ConfigError(
             [Problem(file, f"document expands to more than {MAX_NODES} values (alias bomb?)")]

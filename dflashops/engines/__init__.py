@@ -28,7 +28,12 @@ def launch_for(unit: Unit) -> Launch:
             a.replace("{port}", str(unit.port)).replace("{replica}", str(unit.replica))
             for a in spec.command
         ]
-        return Launch([*argv, *to_flags(spec.args)], health_path=spec.ready.path)
+        launch = Launch([*argv, *to_flags(spec.args)], health_path=spec.ready.path)
+        if unit.port is None and any("{port}" in a for a in spec.command):
+            launch.problems.append(
+                unit.problem("the command uses {port} but the service has no `port`", "command")
+            )
+        return launch
     assert isinstance(spec, ModelService)
     port = str(unit.port)
     if spec.engine == "sglang":
@@ -108,8 +113,13 @@ def _job(unit: Unit, job: Job, python: str) -> Launch:
 def _ship(unit: Unit, ref: str, launch: Launch, field_path: tuple[str, ...]) -> Token:
     if ref.startswith(HOST_PREFIX):
         return ref[len(HOST_PREFIX) :]  # already on the host (e.g. inside an installed package)
-    path = resolve_file(ref, unit.playbook.path.parent)
-    if not path.is_file():
+    try:
+        path = resolve_file(ref, unit.playbook.path.parent)
+        exists = path.is_file()
+    except (OSError, RuntimeError) as exc:  # ~nosuchuser, names too long for the filesystem
+        launch.problems.append(unit.problem(f"file {ref!r} cannot be used: {exc}", *field_path))
+        return ref
+    if not exists:
         hint = (
             " (built-in payloads live in dflashops/payloads/)"
             if ref.startswith("dflashops:")

@@ -49,11 +49,22 @@ def test_all_inventory_errors_in_one_report(write_tree: WriteTree) -> None:
     )
     got = problems(load_inventory, root / "inventory.yaml")
     file = str(root / "inventory.yaml")
-    assert f"{file}:2:3: defaults.host_key_policy: Input should be 'strict' or 'accept-new', got False (a boolean)" in got
-    assert f"{file}:6:5: hosts.b200.port: Input should be greater than or equal to 1, got 0 (a number)" in got
-    assert f"{file}:7:5: hosts.b200.gpus: Input should be greater than or equal to 0, got -1 (a number)" in got
+    assert (
+        f"{file}:2:3: defaults.host_key_policy: Input should be 'strict' or 'accept-new', got False (a boolean)"
+        in got
+    )
+    assert (
+        f"{file}:6:5: hosts.b200.port: Input should be greater than or equal to 1, got 0 (a number)"
+        in got
+    )
+    assert (
+        f"{file}:7:5: hosts.b200.gpus: Input should be greater than or equal to 0, got -1 (a number)"
+        in got
+    )
     assert f"{file}:8:5: hosts.b200.host_key: the key's second field is not valid base64" in got
-    assert f"{file}:9:3: hosts.nohost: an ssh host needs `address` (or set `connection: local`)" in got
+    assert (
+        f"{file}:9:3: hosts.nohost: an ssh host needs `address` (or set `connection: local`)" in got
+    )
     assert any("is not a valid name" in p and "hosts.-oProxyCommand=sh" in p for p in got)
     assert any("'-oProxyCommand=touch /tmp/x' is not a host name" in p for p in got)
 
@@ -161,7 +172,9 @@ def test_bad_service_values(write_tree: WriteTree, field: str, value: str, messa
 
 def test_env_and_secret_env_must_not_overlap(write_tree: WriteTree) -> None:
     root = write_tree(
-        {"pb.yaml": "name: x\nhosts: h\njobs:\n  - name: j\n    command: [x]\n    env: {A: '1'}\n    secret_env: {A: A}\n"}
+        {
+            "pb.yaml": "name: x\nhosts: h\njobs:\n  - name: j\n    command: [x]\n    env: {A: '1'}\n    secret_env: {A: A}\n"
+        }
     )
     assert problems(load_playbook, root / "pb.yaml") == [
         f"{root / 'pb.yaml'}:4:5: jobs[0]: variables set in both env and secret_env: A"
@@ -169,19 +182,26 @@ def test_env_and_secret_env_must_not_overlap(write_tree: WriteTree) -> None:
 
 
 def test_duplicate_unit_names_in_one_playbook(write_tree: WriteTree) -> None:
-    root = write_tree({"pb.yaml": "name: x\nhosts: h\njobs:\n  - {name: j, command: [a]}\n  - {name: j, command: [b]}\n"})
+    root = write_tree(
+        {
+            "pb.yaml": "name: x\nhosts: h\njobs:\n  - {name: j, command: [a]}\n  - {name: j, command: [b]}\n"
+        }
+    )
     assert problems(load_playbook, root / "pb.yaml") == [
         f"{root / 'pb.yaml'}:1:1: two services or jobs are named 'j'"
     ]
 
 
 def test_env_numbers_become_strings(write_tree: WriteTree) -> None:
-    root = write_tree({"pb.yaml": "name: x\nhosts: h\njobs:\n  - {name: j, command: [a], env: {N: 1, F: 0.5}}\n"})
+    root = write_tree(
+        {"pb.yaml": "name: x\nhosts: h\njobs:\n  - {name: j, command: [a], env: {N: 1, F: 0.5}}\n"}
+    )
     assert load_playbook(root / "pb.yaml").spec.jobs[0].env == {"N": "1", "F": "0.5"}
 
 
 @pytest.mark.parametrize(
-    ("text", "seconds"), [("20m", 1200), ("5s", 5), ("1h30m", 5400), ("90", 90), (2.5, 2.5), ("0.5s", 0.5)]
+    ("text", "seconds"),
+    [("20m", 1200), ("5s", 5), ("1h30m", 5400), ("90", 90), (2.5, 2.5), ("0.5s", 0.5)],
 )
 def test_durations(text: object, seconds: float) -> None:
     assert parse_duration(text) == seconds

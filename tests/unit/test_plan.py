@@ -18,8 +18,12 @@ groups:
 """
 
 
-def plan_of(write_tree: WriteTree, playbooks: dict[str, str], hosts: list[str] | None = None) -> Plan:
-    root = write_tree({"inventory.yaml": INVENTORY, **{f"playbooks/{k}": v for k, v in playbooks.items()}})
+def plan_of(
+    write_tree: WriteTree, playbooks: dict[str, str], hosts: list[str] | None = None
+) -> Plan:
+    root = write_tree(
+        {"inventory.yaml": INVENTORY, **{f"playbooks/{k}": v for k, v in playbooks.items()}}
+    )
     inventory = load_inventory(root / "inventory.yaml")
     books = [load_playbook(root / "playbooks" / name) for name in playbooks]
     return build_plan(inventory, books, hosts)
@@ -46,13 +50,19 @@ def test_replicas_get_consecutive_gpus_and_ports(write_tree: WriteTree) -> None:
     )
     assert messages(plan) == []
     units = {u.name: u for u in plan.hosts["b200"].units}
-    assert [(n, units[n].gpus, units[n].port) for n in ("sglang-0", "sglang-1", "sglang-2", "small-0")] == [
+    assert [
+        (n, units[n].gpus, units[n].port) for n in ("sglang-0", "sglang-1", "sglang-2", "small-0")
+    ] == [
         ("sglang-0", (0, 1), 30000),
         ("sglang-1", (2, 3), 30001),
         ("sglang-2", (4, 5), 30002),
         ("small-0", (6,), 31000),
     ]
-    assert units["gen"].servers == ("http://127.0.0.1:30000", "http://127.0.0.1:30001", "http://127.0.0.1:30002")
+    assert units["gen"].servers == (
+        "http://127.0.0.1:30000",
+        "http://127.0.0.1:30001",
+        "http://127.0.0.1:30002",
+    )
     assert units["gen"].needs == ("sglang-0", "sglang-1", "sglang-2")
     assert units["gen"].gpus == ()
 
@@ -101,9 +111,13 @@ def test_explicit_gpus_are_claims_auto_fills_around_them(write_tree: WriteTree) 
 def test_oversubscription_names_host_and_service(write_tree: WriteTree) -> None:
     plan = plan_of(
         write_tree,
-        {"s.yaml": "name: s\nhosts: small\nservices:\n  - {name: sglang, engine: sglang, model: /m, replicas: 7}\n"},
+        {
+            "s.yaml": "name: s\nhosts: small\nservices:\n  - {name: sglang, engine: sglang, model: /m, replicas: 7}\n"
+        },
     )
-    assert messages(plan) == ["service sglang: needs 7 GPUs (tp 1 x dp 1 x 7 replica(s)) but host small has 4"]
+    assert messages(plan) == [
+        "service sglang: needs 7 GPUs (tp 1 x dp 1 x 7 replica(s)) but host small has 4"
+    ]
 
 
 def test_jobs_take_what_services_leave(write_tree: WriteTree) -> None:
@@ -120,7 +134,9 @@ def test_jobs_take_what_services_leave(write_tree: WriteTree) -> None:
             """
         },
     )
-    assert messages(plan) == ["job train: needs 3 GPU(s) but host small has only 2 left of 4 (taken: v-0 [0, 1])"]
+    assert messages(plan) == [
+        "job train: needs 3 GPU(s) but host small has only 2 left of 4 (taken: v-0 [0, 1])"
+    ]
 
 
 def test_explicit_gpu_out_of_range_and_wrong_count(write_tree: WriteTree) -> None:
@@ -150,7 +166,9 @@ def test_units_on_every_host_of_a_group_and_host_filter(write_tree: WriteTree) -
 
 def test_unknown_target_lists_what_exists(write_tree: WriteTree) -> None:
     plan = plan_of(write_tree, {"s.yaml": "name: s\nhosts: [b200, b300]\n"})
-    assert messages(plan) == ["unknown host or group 'b300' (inventory has: all, b200, pro6000, small)"]
+    assert messages(plan) == [
+        "unknown host or group 'b300' (inventory has: all, b200, pro6000, small)"
+    ]
     assert plan.problems[0].line == 2 and plan.problems[0].field == "hosts[1]"
 
 
@@ -176,7 +194,9 @@ def test_vars_host_overrides_playbook(write_tree: WriteTree) -> None:
 def test_undefined_var_is_located(write_tree: WriteTree) -> None:
     plan = plan_of(
         write_tree,
-        {"s.yaml": "name: s\nhosts: b200\nservices:\n  - {name: s, engine: stub, model: '{{ nope }}'}\n"},
+        {
+            "s.yaml": "name: s\nhosts: b200\nservices:\n  - {name: s, engine: stub, model: '{{ nope }}'}\n"
+        },
     )
     [problem] = plan.problems
     assert problem.line == 4 and problem.field == "services[0].model"
@@ -201,7 +221,9 @@ def test_needs_cycles_and_order(write_tree: WriteTree) -> None:
     assert [u.name for u in topo_order(plan.units)] == ["a", "b", "c"]
     cyclic = plan_of(
         write_tree,
-        {"k.yaml": "name: k\nhosts: b200\njobs:\n  - {name: x, command: [x], needs: [y]}\n  - {name: y, command: [y], needs: [x]}\n"},
+        {
+            "k.yaml": "name: k\nhosts: b200\njobs:\n  - {name: x, command: [x], needs: [y]}\n  - {name: y, command: [y], needs: [x]}\n"
+        },
     )
     assert messages(cyclic) == ["[b200] x: needs form a cycle: x -> y -> x"]
 
@@ -209,7 +231,9 @@ def test_needs_cycles_and_order(write_tree: WriteTree) -> None:
 def test_vllm_dp_rule_and_allow_dp(write_tree: WriteTree) -> None:
     dense = plan_of(
         write_tree,
-        {"v.yaml": "name: v\nhosts: pro6000\nservices:\n  - {name: v, engine: vllm, model: /m, tp: 2, dp: 2}\n"},
+        {
+            "v.yaml": "name: v\nhosts: pro6000\nservices:\n  - {name: v, engine: vllm, model: /m, tp: 2, dp: 2}\n"
+        },
     )
     [problem] = dense.problems
     assert problem.field == "services[0].dp"
@@ -217,7 +241,9 @@ def test_vllm_dp_rule_and_allow_dp(write_tree: WriteTree) -> None:
     assert "INCIDENTS.md #2" in problem.message and "`replicas: 2` with `dp: 1`" in problem.message
     moe = plan_of(
         write_tree,
-        {"w.yaml": "name: w\nhosts: pro6000\nservices:\n  - {name: v, engine: vllm, model: /m, tp: 2, dp: 2, allow_dp: true}\n"},
+        {
+            "w.yaml": "name: w\nhosts: pro6000\nservices:\n  - {name: v, engine: vllm, model: /m, tp: 2, dp: 2, allow_dp: true}\n"
+        },
     )
     assert moe.problems == []
 

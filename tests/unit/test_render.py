@@ -18,7 +18,9 @@ INVENTORY = "hosts:\n  h: {address: 127.0.0.1, gpus: 4, python: /usr/bin/python3
 ECHO_ARGV = ["python3", "-c", "import sys, json; print(json.dumps(sys.argv[1:]))"]
 
 
-def render(write_tree: WriteTree, playbook: str, extra: dict[str, str] | None = None) -> dict[str, Rendered]:
+def render(
+    write_tree: WriteTree, playbook: str, extra: dict[str, str] | None = None
+) -> dict[str, Rendered]:
     root = write_tree({"inventory.yaml": INVENTORY, "playbooks/p.yaml": playbook, **(extra or {})})
     books = [load_playbook(root / "playbooks/p.yaml")]
     plan = build_plan(load_inventory(root / "inventory.yaml"), books)
@@ -34,7 +36,9 @@ def run_script(tmp_path: Path, r: Rendered) -> subprocess.CompletedProcess[str]:
     unit_dir.mkdir(parents=True)
     script = unit_dir / "launch.sh"
     script.write_text(r.script)
-    return subprocess.run(["bash", str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=30, check=False)
+    return subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=30, check=False
+    )
 
 
 def test_sglang_script_shape(write_tree: WriteTree) -> None:
@@ -59,7 +63,9 @@ def test_sglang_script_shape(write_tree: WriteTree) -> None:
     assert script.startswith("#!/usr/bin/env bash\n")
     assert "set -euo pipefail\n" in script
     assert "export CUDA_VISIBLE_DEVICES=2,3\n" in script
-    assert "export SGLANG_ENABLE_JIT_DEEPGEMM=1\nexport HOST_WIDE=yes\n" not in script  # sorted, host env merged
+    assert (
+        "export SGLANG_ENABLE_JIT_DEEPGEMM=1\nexport HOST_WIDE=yes\n" not in script
+    )  # sorted, host env merged
     assert "export HOST_WIDE=yes\nexport SGLANG_ENABLE_JIT_DEEPGEMM=1\n" in script
     assert (
         "exec /usr/bin/python3 -m sglang.launch_server --model-path /dev/shm/Qwen3.6-27B --host 127.0.0.1 "
@@ -72,17 +78,23 @@ def test_sglang_script_shape(write_tree: WriteTree) -> None:
     assert units["sglang-0"].fingerprint != units["sglang-1"].fingerprint
 
 
-def test_fingerprint_tracks_everything_that_defines_the_unit(write_tree: WriteTree, tmp_path: Path) -> None:
+def test_fingerprint_tracks_everything_that_defines_the_unit(
+    write_tree: WriteTree, tmp_path: Path
+) -> None:
     base = "name: p\nhosts: h\njobs:\n  - {name: j, script: ../scripts/job.py, args: {n: 1}}\n"
     first = render(write_tree, base, {"scripts/job.py": "print(1)\n"})["j"]
     again = render(write_tree, base, {"scripts/job.py": "print(1)\n"})["j"]
     assert first.fingerprint == again.fingerprint and first.script == again.script
     changed_file = render(write_tree, base, {"scripts/job.py": "print(2)\n"})["j"]
     assert changed_file.fingerprint != first.fingerprint
-    changed_args = render(write_tree, base.replace("n: 1", "n: 2"), {"scripts/job.py": "print(1)\n"})["j"]
+    changed_args = render(
+        write_tree, base.replace("n: 1", "n: 2"), {"scripts/job.py": "print(1)\n"}
+    )["j"]
     assert changed_args.fingerprint != first.fingerprint
     with_secret = render(
-        write_tree, base.replace("args: {n: 1}", "args: {n: 1}, secret_env: {T: T}"), {"scripts/job.py": "print(1)\n"}
+        write_tree,
+        base.replace("args: {n: 1}", "args: {n: 1}, secret_env: {T: T}"),
+        {"scripts/job.py": "print(1)\n"},
     )["j"]
     assert with_secret.fingerprint != first.fingerprint
 
@@ -102,18 +114,23 @@ def test_job_script_runs_with_host_python_and_gets_server_urls(write_tree: Write
     gen = units["gen"]
     assert gen.files[0].name == "stub_engine.py"
     remote = gen.files[0].remote
-    assert f'exec /usr/bin/python3 "${{DFLASHOPS_WORKDIR}}"/{remote} --concurrency 8 --servers http://127.0.0.1:31000 http://127.0.0.1:31001\n' in gen.script
+    assert (
+        f'exec /usr/bin/python3 "${{DFLASHOPS_WORKDIR}}"/{remote} --concurrency 8 --servers http://127.0.0.1:31000 http://127.0.0.1:31001\n'
+        in gen.script
+    )
     assert "export CUDA_VISIBLE_DEVICES=''\n" in gen.script  # a CPU job sees no GPU
     assert "STAND-IN" in units["stub-0"].script
 
 
-def test_values_with_shell_metacharacters_run_no_injected_command(write_tree: WriteTree, tmp_path: Path) -> None:
+def test_values_with_shell_metacharacters_run_no_injected_command(
+    write_tree: WriteTree, tmp_path: Path
+) -> None:
     canary = tmp_path / "pwned"
     nasty = [
         f"; touch {canary}",
         f"$(touch {canary})",
         f"`touch {canary}`",
-        "it's \"quoted\"",
+        'it\'s "quoted"',
         f"line one\ntouch {canary}",
         "$HOME ${PATH} * ? [a] ~ & | > <",
     ]
@@ -148,13 +165,18 @@ def test_banner_and_workdir_detection(write_tree: WriteTree, tmp_path: Path) -> 
     proc = run_script(tmp_path, units["j"])
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith(f"[dflashops] unit=j fingerprint={units['j'].fingerprint} engine=job tp=1 dp=1 port=- gpus=- started=")
+    assert lines[0].startswith(
+        f"[dflashops] unit=j fingerprint={units['j'].fingerprint} engine=job tp=1 dp=1 port=- gpus=- started="
+    )
     workdir = (tmp_path / "workdir").resolve()
     assert lines[-1] == f"wd={workdir} cwd={workdir / 'units' / 'j'}"
 
 
 def test_missing_secrets_file_stops_the_script(write_tree: WriteTree, tmp_path: Path) -> None:
-    units = render(write_tree, "name: p\nhosts: h\njobs:\n  - {name: j, command: [echo, ran], secret_env: {HF_TOKEN: HF_TOKEN}}\n")
+    units = render(
+        write_tree,
+        "name: p\nhosts: h\njobs:\n  - {name: j, command: [echo, ran], secret_env: {HF_TOKEN: HF_TOKEN}}\n",
+    )
     proc = run_script(tmp_path, units["j"])
     assert proc.returncode == 78
     assert "secrets.env is missing" in proc.stderr and "HF_TOKEN" in proc.stderr
@@ -199,5 +221,5 @@ def test_vllm_launcher_puts_vllm_args_after_double_dash(write_tree: WriteTree) -
         "exec /usr/bin/python3 /workspace/speculators/scripts/launch_vllm.py /models/Qwen3.6-27B "
         "--hidden-states-path /hs --target-layer-ids 2 32 61 -- --host 127.0.0.1 --port 8000 "
         "--tensor-parallel-size 2 --data-parallel-size 1 "
-        "--speculative-config '{\"method\":\"eagle3\",\"num_speculative_tokens\":3}'\n"
+        '--speculative-config \'{"method":"eagle3","num_speculative_tokens":3}\'\n'
     ) in units["vllm-0"].script

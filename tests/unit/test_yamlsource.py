@@ -20,7 +20,10 @@ def test_positions_point_at_keys_and_items() -> None:
 def test_duplicate_keys_are_errors_not_silently_dropped() -> None:
     with pytest.raises(ConfigError) as exc:
         parse_yaml("hosts:\n  b200: {}\n  b200: {}\n", "inv.yaml")
-    assert str(exc.value) == "inv.yaml:3:3: hosts.b200: duplicate key 'b200' (an earlier one would be lost)"
+    assert (
+        str(exc.value)
+        == "inv.yaml:3:3: hosts.b200: duplicate key 'b200' (an earlier one would be lost)"
+    )
 
 
 def test_malformed_yaml_names_file_line_and_column() -> None:
