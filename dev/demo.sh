@@ -1,8 +1,22 @@
 #!/usr/bin/env bash
 # Set up and run the embedded default: the local host (connection: local, no SSH, no GPU) with
-# the stub engine from playbooks/demo.yaml.
+# two stub servers (the CPU stand-in for SGLang) and the completions generator from
+# playbooks/demo.yaml. Deploys, waits for the generation job, shows status, then stops it all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
-.venv/bin/dflashops preflight --host local
-.venv/bin/dflashops render --host local --out .dflashops/rendered
+D=.venv/bin/dflashops
+$D preflight --host local
+$D deploy --host local
+for _ in $(seq 120); do
+    state=$($D status --host local --json .dflashops/demo-status.json >/dev/null 2>&1 || true
+            .venv/bin/python -c 'import json,sys
+rows=[json.loads(l) for l in open(".dflashops/demo-status.json")]
+print(next((r["state"] for r in rows if r.get("unit")=="generate"),"?"))')
+    [[ "$state" == "done" || "$state" == "failed" || "$state" == "dead" ]] && break
+    sleep 1
+done
+$D status --host local
+$D logs generate --host local --lines 3
+$D stop --host local
+[[ "$state" == "done" ]]

@@ -9,7 +9,10 @@ from rich.console import Console
 
 def console(stderr: bool = False) -> Console:
     # highlight=False: rich would otherwise colour numbers and paths inside our messages at random.
-    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+    # Off a terminal (CI logs, pipes) tables get a wide page instead of 80 columns of wrapping.
+    stream = sys.stderr if stderr else sys.stdout
+    width = None if stream.isatty() else 200
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width)
 
 
 def err(message: str) -> None:

@@ -10,7 +10,7 @@ from invoke.context import Context
 from invoke.exceptions import Exit
 from invoke.tasks import Task, task
 
-from dflashops import commands
+from dflashops import commands, operate
 from dflashops.errors import ConfigError, DflashopsError
 from dflashops.output import console
 from dflashops.run import DEFAULT_FORKS
@@ -121,4 +121,175 @@ def trust(
     _run(commands.trust, inventory=inventory, hosts=host, yes=yes)
 
 
-namespace = Collection(preflight, render, schema, trust)
+FLEET_HELP = {
+    "forks": "hosts in parallel (default 10)",
+    "json": "write one JSON event per line to FILE",
+}
+
+
+@task(
+    klass=OpsTask,
+    auto_shortflags=False,
+    iterable=["host", "playbook"],
+    help={
+        **SELECTION_HELP,
+        **FLEET_HELP,
+        "check": "plan only: change nothing",
+        "diff": "show unified diffs of launch scripts that would change",
+        "force": "start even where GPUs hold memory of processes not started by dflashops",
+        "rerun": "run jobs again that finished with exit 0",
+    },
+)
+def deploy(
+    c: Context,
+    inventory: str | None = None,
+    host: list[str] | None = None,
+    playbook: list[str] | None = None,
+    check: bool = False,
+    diff: bool = False,
+    force: bool = False,
+    rerun: bool = False,
+    forks: int = DEFAULT_FORKS,
+    json: str | None = None,
+) -> None:
+    """Make hosts match the playbooks: ship what changed, (re)start what changed or is not running, verify."""
+    _run(
+        operate.deploy,
+        inventory=inventory,
+        hosts=host,
+        playbooks=playbook,
+        check=check,
+        diff=diff,
+        force=force,
+        rerun=rerun,
+        forks=forks,
+        json_path=json,
+    )
+
+
+@task(
+    klass=OpsTask,
+    auto_shortflags=False,
+    iterable=["host", "playbook"],
+    help={
+        **SELECTION_HELP,
+        **FLEET_HELP,
+        "all_at_once": "restart every replica together instead of rolling",
+        "force": "start even where GPUs hold foreign memory",
+    },
+)
+def restart_servers(
+    c: Context,
+    inventory: str | None = None,
+    host: list[str] | None = None,
+    playbook: list[str] | None = None,
+    all_at_once: bool = False,
+    force: bool = False,
+    forks: int = DEFAULT_FORKS,
+    json: str | None = None,
+) -> None:
+    """Restart service units, rolling one replica at a time per host (next only when ready)."""
+    _run(
+        operate.restart_servers,
+        inventory=inventory,
+        hosts=host,
+        playbooks=playbook,
+        all_at_once=all_at_once,
+        force=force,
+        forks=forks,
+        json_path=json,
+    )
+
+
+@task(
+    klass=OpsTask,
+    auto_shortflags=False,
+    iterable=["host", "playbook", "unit"],
+    help={
+        **SELECTION_HELP,
+        **FLEET_HELP,
+        "unit": "unit to stop, repeatable (default: all on the selected hosts)",
+    },
+)
+def stop(
+    c: Context,
+    inventory: str | None = None,
+    host: list[str] | None = None,
+    playbook: list[str] | None = None,
+    unit: list[str] | None = None,
+    forks: int = DEFAULT_FORKS,
+    json: str | None = None,
+) -> None:
+    """Stop units dflashops started (all targeted by default): TERM, grace, KILL, GPUs freed."""
+    _run(
+        operate.stop,
+        inventory=inventory,
+        hosts=host,
+        playbooks=playbook,
+        units=unit,
+        forks=forks,
+        json_path=json,
+    )
+
+
+@task(
+    klass=OpsTask,
+    auto_shortflags=False,
+    iterable=["host", "playbook"],
+    help={**SELECTION_HELP, **FLEET_HELP},
+)
+def status(
+    c: Context,
+    inventory: str | None = None,
+    host: list[str] | None = None,
+    playbook: list[str] | None = None,
+    forks: int = DEFAULT_FORKS,
+    json: str | None = None,
+) -> None:
+    """Per host and unit: state, pid, uptime, port, health, fingerprint, GPU memory, job progress."""
+    _run(
+        operate.status,
+        inventory=inventory,
+        hosts=host,
+        playbooks=playbook,
+        forks=forks,
+        json_path=json,
+    )
+
+
+@task(
+    klass=OpsTask,
+    auto_shortflags=False,
+    positional=["unit"],
+    iterable=["host", "playbook"],
+    help={
+        **SELECTION_HELP,
+        "unit": "the unit",
+        "lines": "lines to show (default 100)",
+        "follow": "keep printing new output",
+    },
+)
+def logs(
+    c: Context,
+    unit: str,
+    inventory: str | None = None,
+    host: list[str] | None = None,
+    playbook: list[str] | None = None,
+    lines: int = 100,
+    follow: bool = False,
+) -> None:
+    """The end of a unit's current log."""
+    _run(
+        operate.logs,
+        unit=unit,
+        inventory=inventory,
+        hosts=host,
+        playbooks=playbook,
+        lines=lines,
+        follow=follow,
+    )
+
+
+namespace = Collection(
+    deploy, restart_servers, stop, status, logs, preflight, render, schema, trust
+)

@@ -1409,12 +1409,20 @@ class Run:
 
     def write_progress(self, state: str) -> dict[str, Any]:
         info = self.progress(state)
+        body = (json.dumps(info, indent=1) + "\n").encode()
         path = os.path.join(self.output_dir, "progress.json")
         try:
-            atomic_write(path, (json.dumps(info, indent=1) + "\n").encode())
+            atomic_write(path, body)
         except OSError as exc:
             if self.fatal is None:
                 self.fatal_io(exc, path)
+        # Under dflashops, the unit's own progress file is what `dflashops status` shows.
+        unit_progress = os.environ.get("DFLASHOPS_PROGRESS_FILE")
+        if unit_progress:
+            try:
+                atomic_write(unit_progress, body)
+            except OSError as exc:
+                log(f"cannot write {unit_progress}: {exc}")
         return info
 
     def log_progress(self, info: dict[str, Any]) -> None:

@@ -1,0 +1,77 @@
+"""Is the running unit the one we rendered? Compare the server's own report and the launch
+banner with the desired unit (INCIDENTS.md #2: the old TP=2 DP=2 server kept running unnoticed).
+
+- SGLang and the stub: ``/server_info`` (fallback ``/get_server_info``): tp_size, dp_size,
+  model_path, port.
+- vLLM: ``/v1/models`` (``root`` is the model path); TP and DP from the launch banner.
+- Everything: the banner's unit name and fingerprint.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflashops.config.playbook import ModelService
+from dflashops.render import Rendered
+
+Mismatch = tuple[str, str, str]  # field, expected, actual
+
+IDENTITY_PATHS = {
+    "sglang": ["/server_info", "/get_server_info"],
+    "stub": ["/server_info", "/get_server_info"],
+    "vllm": ["/v1/models"],
+}
+
+
+def identity_paths(engine: str) -> list[str]:
+    return IDENTITY_PATHS.get(engine, [])
+
+
+def check(r: Rendered, banner: dict[str, Any] | None, body: Any) -> list[Mismatch]:
+    unit = r.unit
+    out: list[Mismatch] = []
+    if banner is None:
+        out.append(
+            (
+                "banner",
+                f"unit={unit.name} fingerprint={r.short}",
+                "no [dflashops] banner in the current log",
+            )
+        )
+    else:
+        _cmp(out, "banner unit", unit.name, banner.get("unit"))
+        _cmp(out, "banner fingerprint", r.fingerprint, banner.get("fingerprint"))
+    spec = unit.spec
+    if not isinstance(spec, ModelService):
+        return out
+    if unit.engine in ("sglang", "stub"):
+        if not isinstance(body, dict):
+            out.append(("server_info", "a JSON object", repr(body)[:80]))
+            return out
+        _cmp(out, "tp_size", spec.tp, body.get("tp_size"))
+        _cmp(out, "dp_size", spec.dp, body.get("dp_size"))
+        _cmp(out, "model_path", spec.model, body.get("model_path"))
+        _cmp(out, "port", unit.port, body.get("port"))
+    elif unit.engine == "vllm":
+        data = body.get("data") if isinstance(body, dict) else None
+        roots = [m.get("root") for m in data or [] if isinstance(m, dict)]
+        if spec.model not in roots:
+            out.append(
+                ("model (/v1/models root)", spec.model, ", ".join(map(str, roots)) or "no models")
+            )
+        if banner is not None:
+            _cmp(out, "banner tp", spec.tp, banner.get("tp"))
+            _cmp(out, "banner dp", spec.dp, banner.get("dp"))
+    return out
+
+
+def _cmp(out: list[Mismatch], field: str, expected: Any, actual: Any) -> None:
+    if str(expected) != str(actual):
+        out.append((field, str(expected), "missing" if actual is None else str(actual)))
+
+
+def describe(mismatches: list[Mismatch]) -> str:
+    width = max(len(f) for f, _, _ in mismatches)
+    rows = [f"    {'field':<{width}}  expected -> running"]
+    rows += [f"    {f:<{width}}  {e} -> {a}" for f, e, a in mismatches]
+    return "\n".join(rows)

@@ -1,0 +1,500 @@
+"""Carry out changes on one host: ship, stop, start, wait for readiness, verify identity.
+
+One ``HostRun`` per host (hosts run in parallel, see run.py). It holds the host's connection
+and reports every step through the shared EventLog. Round trips: facts (1), then only what the
+changes need: ship (1 per changed file), stop (1), start (1 per batch), one probe per readiness
+round for all pending units at once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from dflashops.changes import Change, describe_state, job_done, plan_changes
+from dflashops.config.inventory import Host
+from dflashops.config.playbook import Job, Ready
+from dflashops.engines import identity
+from dflashops.events import EventLog
+from dflashops.hosts import connect
+from dflashops.hosts.facts import HostFacts, gather_facts
+from dflashops.hosts.unitctl import ProbeSpec, UnitProbe, probe_units, start_units, stop_units
+from dflashops.render import Rendered
+
+Board = Callable[[str, str], None]  # host, text: the live progress line (no-op off a terminal)
+
+
+@dataclass
+class Options:
+    check: bool = False
+    diff: bool = False
+    force: bool = False  # start even where GPUs hold memory of processes that are not ours
+    rerun: bool = False  # run jobs again that finished with exit 0
+    keep_logs: int = 20
+    gpu_timeout: float = 60.0
+
+
+@dataclass
+class HostRun:
+    host: Host
+    rendered: list[Rendered]
+    events: EventLog
+    opts: Options = field(default_factory=Options)
+    board: Board = lambda host, text: None
+    ready: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.conn = connect(self.host)
+        self.by_name = {r.unit.name: r for r in self.rendered}
+        self.workdir = self.host.workdir  # replaced by the host's absolute path at the first facts
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def emit(
+        self, unit: str | None, status: str, action: str, message: str, **data: object
+    ) -> None:
+        self.events.emit(self.host.name, unit, status, action, message, **data)  # type: ignore[arg-type]
+
+    def fail(self, unit: str, action: str, message: str) -> None:
+        self.failed.add(unit)
+        self.emit(unit, "failed", action, message)
+
+    def unit_dir(self, name: str) -> str:
+        return f"{self.workdir}/units/{name}"
+
+    def gather(self) -> HostFacts:
+        facts = gather_facts(self.conn, self.host.python, self.host.workdir)
+        self.workdir = facts.workdir
+        return facts
+
+    def close(self) -> None:
+        self.conn.close()
+
+    # -- deploy ----------------------------------------------------------------------------
+
+    def deploy(self) -> None:
+        facts = self.gather()
+        changes = plan_changes(self.rendered, facts, rerun=self.opts.rerun)
+        if self.opts.diff:
+            self._show_diffs(facts, changes)
+        if self.opts.check:
+            for c in changes:
+                status = "ok" if c.action == "ok" else "changed"
+                verb = {
+                    "ok": "ok",
+                    "ship": "would ship files",
+                    "start": "would start",
+                    "restart": "would restart",
+                }[c.action]
+                self.emit(c.name, status, "plan", f"{verb} ({c.reason})")
+            return
+        runnable = [c for c in changes if c.runs_after and self._may_run(c, facts)]
+        self._ship_payloads(changes)
+        self._stop([c for c in runnable if c.action == "restart"])
+        for c in changes:
+            if c.action == "ship" or (c.runs_after and c.name not in self.failed):
+                self._ship_unit(c)
+        services = [c for c in changes if c.rendered.unit.kind == "service"]
+        self._start([c for c in services if c.runs_after and c.name not in self.failed])
+        self._wait_ready(
+            [c.rendered for c in services if c.name not in self.failed],
+            {c.name: c for c in changes},
+        )
+        self._run_jobs([c for c in changes if c.rendered.unit.kind == "job"], facts)
+
+    def _may_run(self, c: Change, facts: HostFacts) -> bool:
+        """Refuse to start on top of something that is not ours: a foreign listener on the
+        port, GPU memory held by foreign processes (unless --force), a missing secret."""
+        unit = c.rendered.unit
+        ours = {p for uf in facts.units.values() if uf.running for p in uf.group_pids}
+        if unit.port is not None:
+            listener = facts.listener(unit.port)
+            if listener is not None and not set(listener.pids) <= ours:
+                holder = ", ".join(map(str, listener.pids)) or "a process we cannot see"
+                self.fail(
+                    c.name,
+                    "start",
+                    f"port {unit.port} is already taken by pid {holder} (not a dflashops unit); not started",
+                )
+                return False
+        for gpu in unit.gpus:
+            foreign = [p for p in facts.gpus.processes if p.gpu_index == gpu and p.pid not in ours]
+            if foreign and not self.opts.force:
+                held = ", ".join(f"pid {p.pid} ({p.used_mib} MiB)" for p in foreign)
+                self.fail(
+                    c.name,
+                    "start",
+                    f"GPU {gpu} holds memory of processes dflashops did not start: {held}; not started (--force starts anyway)",
+                )
+                return False
+        missing = [src for src in unit.spec.secret_env.values() if src not in os.environ]
+        if missing:
+            self.fail(
+                c.name,
+                "start",
+                f"secret_env needs {', '.join(missing)} set on the controller; not started",
+            )
+            return False
+        self.events.add_secrets(os.environ[src] for src in unit.spec.secret_env.values())
+        return True
+
+    def _show_diffs(self, facts: HostFacts, changes: list[Change]) -> None:
+        for c in changes:
+            if c.action == "ok":
+                continue
+            uf = facts.unit(c.name)
+            old = ""
+            if uf is not None and uf.script_sha256:
+                old = self.conn.get(f"{self.unit_dir(c.name)}/launch.sh").decode("utf-8", "replace")
+            diff = "".join(
+                difflib.unified_diff(
+                    old.splitlines(keepends=True),
+                    c.rendered.script.splitlines(keepends=True),
+                    f"{self.host.name}:{c.name}/launch.sh (on host)",
+                    f"{self.host.name}:{c.name}/launch.sh (rendered)",
+                )
+            )
+            if diff:
+                self.events.console.print(self.events.redact(diff), markup=False, highlight=False)
+
+    def _ship_payloads(self, changes: list[Change]) -> None:
+        sent: set[str] = set()
+        for c in changes:
+            for f in c.missing_payloads:
+                if f.remote in sent:
+                    continue
+                self.conn.put(f.local.read_bytes(), f"{self.workdir}/{f.remote}", 0o755)
+                sent.add(f.remote)
+                self.emit(None, "changed", "ship", f"shipped {f.name} ({f.sha256[:12]})")
+
+    def _ship_unit(self, c: Change) -> None:
+        r = c.rendered
+        base = self.unit_dir(c.name)
+        self.conn.put(r.script.encode(), f"{base}/launch.sh", 0o755)
+        self.conn.put(
+            json.dumps(unit_record(r), indent=1).encode() + b"\n", f"{base}/unit.json", 0o644
+        )
+        secrets = r.unit.spec.secret_env
+        if secrets:
+            body = "".join(
+                f"{k}={shlex.quote(os.environ[v])}\n"
+                for k, v in sorted(secrets.items())
+                if v in os.environ
+            )
+            self.conn.put(body.encode(), f"{base}/secrets.env", 0o600)
+        if c.action == "ship":
+            self.emit(
+                c.name,
+                "changed",
+                "ship",
+                f"files shipped ({c.reason}); still running, not restarted",
+            )
+
+    def _stop(self, changes: list[Change]) -> None:
+        if not changes:
+            return
+        results = stop_units(
+            self.conn,
+            self.host.python,
+            self.workdir,
+            [(c.name, c.rendered.unit.spec.stop_grace) for c in changes],
+            gpu_timeout=self.opts.gpu_timeout,
+        )
+        for c in changes:
+            res = results.get(c.name)
+            if res is None or not res.ok:
+                self.fail(
+                    c.name,
+                    "stop",
+                    f"could not stop the old process: {stop_problem(res)}; not restarted",
+                )
+
+    def _start(self, changes: list[Change]) -> None:
+        if not changes:
+            return
+        results = start_units(
+            self.conn,
+            self.host.python,
+            self.workdir,
+            [(c.name, self.opts.keep_logs) for c in changes],
+        )
+        for c in changes:
+            res = results.get(c.name)
+            if res is None or not res.ok:
+                self.fail(c.name, "start", f"start failed: {res.error if res else 'no answer'}")
+                continue
+            verb = "restarted" if c.action == "restart" else "started"
+            detail = (
+                f"fingerprint {c.old_fingerprint[:12]} -> {c.rendered.short}"
+                if c.action == "restart" and c.old_fingerprint
+                else c.reason
+            )
+            self.emit(
+                c.name,
+                "changed",
+                c.action,
+                f"{verb} (pid {res.pid}; {detail})",
+                pid=res.pid,
+                log=res.log,
+            )
+
+    # -- restart-servers and stop ---------------------------------------------------------
+
+    def restart_services(self, rolling: bool) -> None:
+        """Restart every service unit, even unchanged ones. Rolling: one replica at a time,
+        the next only when the previous is ready again, so the fleet keeps serving; the roll
+        stops at the first replica that does not come back, leaving the rest on the old,
+        healthy processes."""
+        facts = self.gather()
+        changes = [
+            c for c in plan_changes(self.rendered, facts) if c.rendered.unit.kind == "service"
+        ]
+        for c in changes:
+            c.action = "restart" if facts.unit(c.name) and facts.unit(c.name).running else "start"  # type: ignore[union-attr]
+        self._ship_payloads(changes)
+        batches = [[c] for c in changes] if rolling else [changes]
+        for i, batch in enumerate(batches):
+            batch = [c for c in batch if self._may_run(c, facts)]
+            self._stop([c for c in batch if c.action == "restart"])
+            for c in batch:
+                if c.name not in self.failed:
+                    self._ship_unit(c)
+            self._start([c for c in batch if c.name not in self.failed])
+            self._wait_ready(
+                [c.rendered for c in batch if c.name not in self.failed], {c.name: c for c in batch}
+            )
+            if rolling and any(c.name in self.failed for c in batch):
+                for rest in (c for later in batches[i + 1 :] for c in later):
+                    self.emit(
+                        rest.name,
+                        "skipped",
+                        "restart",
+                        f"not restarted: the roll stopped after {batch[0].name} failed; still on its old process",
+                    )
+                return
+
+    def stop_all(self) -> None:
+        """Stop every unit of this host that dflashops started (jobs first, then services)."""
+        facts = self.gather()
+        order = list(reversed(self.rendered))
+        running = [
+            r
+            for r in order
+            if (uf := facts.unit(r.unit.name)) is not None and (uf.running or uf.group_pids)
+        ]
+        for r in order:
+            if r not in running:
+                self.emit(
+                    r.unit.name,
+                    "ok",
+                    "stop",
+                    f"not running ({describe_state(facts.unit(r.unit.name))})",
+                )
+        if not running:
+            return
+        results = stop_units(
+            self.conn,
+            self.host.python,
+            self.workdir,
+            [(r.unit.name, r.unit.spec.stop_grace) for r in running],
+            gpu_timeout=self.opts.gpu_timeout,
+        )
+        for r in running:
+            res = results.get(r.unit.name)
+            if res is None or not res.ok:
+                self.fail(r.unit.name, "stop", f"stop incomplete: {stop_problem(res)}")
+                continue
+            how = "SIGKILL after the grace period" if res.killed else "SIGTERM"
+            gpu = "; GPU memory released" if res.gpu_freed else ""
+            self.emit(
+                r.unit.name,
+                "changed",
+                "stop",
+                f"stopped (pids {', '.join(map(str, res.pids))} by {how}{gpu}; logs kept)",
+            )
+
+    # -- readiness and identity ------------------------------------------------------------
+
+    def _wait_ready(self, units: list[Rendered], changes: dict[str, Change]) -> None:
+        """Probe every pending unit in one remote call per round until each is ready and
+        verified, has died (reported at once with its log), or ran out of time."""
+        pending = {r.unit.name: r for r in units}
+        started = time.monotonic()
+        deadline = {n: started + ready_settings(r).timeout for n, r in pending.items()}
+        last: dict[str, str] = {}
+        while pending:
+            probes = probe_units(
+                self.conn, self.host.python, self.workdir, [probe_spec(r) for r in pending.values()]
+            )
+            for name, r in list(pending.items()):
+                verdict = self._judge(
+                    r, probes.get(name), changes.get(name), time.monotonic() > deadline[name], last
+                )
+                if verdict:
+                    del pending[name]
+            if pending:
+                waited = time.monotonic() - started
+                self.board(
+                    self.host.name,
+                    f"{len(units) - len(pending)}/{len(units)} ready, waiting for {', '.join(sorted(pending))} ({waited:.0f}s)",
+                )
+                time.sleep(min(ready_settings(r).interval for r in pending.values()))
+        self.board(self.host.name, "")
+
+    def _judge(
+        self, r: Rendered, p: UnitProbe | None, c: Change | None, late: bool, last: dict[str, str]
+    ) -> bool:
+        """True when the unit's wait is over (ready, drifted, dead or timed out)."""
+        name = r.unit.name
+        if p is None:
+            self.fail(name, "ready", "the probe returned nothing for this unit")
+            return True
+        if not (p.alive and p.ours):
+            code = (
+                f"exit code {p.exit.code}" if p.exit and p.exit.code is not None else "no exit code"
+            )
+            log = "\n".join(f"    {line}" for line in (p.log_tail or [])) or "    (log is empty)"
+            self.fail(name, "ready", f"died while starting ({code}); last lines of its log:\n{log}")
+            return True
+        healthy = (
+            r.unit.port is None
+            or r.launch.health_path is None
+            or (p.health is not None and p.health.status == 200)
+        )
+        if not healthy:
+            last[name] = health_text(p)
+            if late:
+                timeout = ready_settings(r).timeout
+                self.fail(
+                    name,
+                    "ready",
+                    f"not ready after {timeout:.0f}s (last probe: {last[name]}); left running for inspection",
+                )
+                return True
+            return False
+        body = p.identity.body if p.identity is not None else None
+        mismatches = identity.check(r, p.banner, body)
+        if mismatches:
+            self.fail(
+                name,
+                "verify",
+                "drifted: the running unit is not the one rendered\n"
+                + identity.describe(mismatches),
+            )
+            return True
+        self.ready.add(name)
+        fresh = c is not None and c.runs_after
+        self.emit(
+            name,
+            "ok" if not fresh else "changed",
+            "ready",
+            f"ready and verified (pid {p.pid}, fingerprint {r.short})"
+            if fresh
+            else f"ok (pid {p.pid}, fingerprint {r.short})",
+        )
+        return True
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    def _run_jobs(self, jobs: list[Change], facts: HostFacts) -> None:
+        pending = {c.name: c for c in jobs}
+        while pending:
+            batch = []
+            for name, c in list(pending.items()):
+                needs = c.rendered.unit.needs
+                if any(
+                    n in self.failed
+                    or (n not in self.ready and n not in pending and n in self.by_name)
+                    for n in needs
+                ):
+                    blocked = [n for n in needs if n not in self.ready]
+                    del pending[name]
+                    if c.runs_after:
+                        self.fail(name, "start", f"not started: {', '.join(blocked)} not ready")
+                    continue
+                if all(n in self.ready for n in needs):
+                    batch.append(c)
+                    del pending[name]
+            if not batch:
+                for name in pending:  # a cycle, which pre-flight rejects
+                    self.fail(name, "start", "needs can never be satisfied (cycle?)")
+                return
+            self._start([c for c in batch if c.runs_after and c.name not in self.failed])
+            for c in batch:
+                if c.name in self.failed:
+                    continue
+                if not c.runs_after:
+                    uf = facts.unit(c.name)
+                    self.emit(
+                        c.name,
+                        "ok",
+                        "verify",
+                        f"{describe_state(uf)}; {c.reason}" if not job_done(uf) else c.reason,
+                    )
+                self.ready.add(c.name)
+
+
+def health_text(p: UnitProbe) -> str:
+    if p.health is None:
+        return "not probed"
+    if p.health.status:
+        return f"HTTP {p.health.status}"
+    return p.health.error or "no answer"
+
+
+def ready_settings(r: Rendered) -> Ready:
+    spec = r.unit.spec
+    return Ready() if isinstance(spec, Job) else spec.ready
+
+
+def unit_record(r: Rendered) -> dict[str, object]:
+    u = r.unit
+    return {
+        "unit": u.name,
+        "fingerprint": r.fingerprint,
+        "engine": u.engine,
+        "kind": u.kind,
+        "port": u.port,
+        "gpus": list(u.gpus),
+        "tp": u.tp,
+        "dp": u.dp,
+        "playbook": u.playbook.name,
+        "deployed_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def probe_spec(r: Rendered) -> ProbeSpec:
+    spec = r.unit.spec
+    bind = getattr(spec, "bind", "127.0.0.1")
+    return ProbeSpec(
+        name=r.unit.name,
+        host="127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind,
+        port=r.unit.port,
+        health_path=r.launch.health_path,
+        identity_paths=identity.identity_paths(r.unit.engine),
+        headers=auth_headers(r),
+    )
+
+
+def auth_headers(r: Rendered) -> dict[str, str]:
+    spec = r.unit.spec
+    key = spec.args.get("api-key") if not isinstance(spec, Job) else None
+    return {"Authorization": f"Bearer {key}"} if isinstance(key, str) else {}
+
+
+def stop_problem(res: object) -> str:
+    if res is None:
+        return "no answer from the host"
+    held = getattr(res, "gpu_held", None)
+    if held:
+        return "GPU memory still held after stop: " + ", ".join(
+            f"GPU {h.gpu_index}: {h.used_mib} MiB by pid {h.pid}" for h in held
+        )
+    return str(getattr(res, "error", None) or "processes survived SIGKILL")
