@@ -82,7 +82,15 @@ class EventLog:
             self.secrets.update(v for v in values if len(v) >= 4)
 
     def emit(
-        self, host: str, unit: str | None, status: Status, action: str, message: str, **data: Any
+        self,
+        host: str,
+        unit: str | None,
+        status: Status,
+        action: str,
+        message: str,
+        *,
+        show: bool = True,
+        **data: Any,
     ) -> Event:
         event = Event(
             host,
@@ -97,7 +105,7 @@ class EventLog:
             if self._json is not None:
                 self._json.write(json.dumps(asdict(event), default=str) + "\n")
                 self._json.flush()
-            if not (self.quiet_ok and status == "ok"):
+            if show and not (self.quiet_ok and status == "ok"):
                 color = COLORS[status]
                 self.console.print(f"[{color}]{escape(event.line())}[/]")
         return event

@@ -75,6 +75,16 @@ class HostRun:
         return facts
 
     def close(self) -> None:
+        # For --json readers and benchmarks: how many round trips this host cost.
+        self.events.emit(
+            self.host.name,
+            None,
+            "info",
+            "stats",
+            f"{self.conn.commands} remote commands",
+            show=False,
+            commands=self.conn.commands,
+        )
         self.conn.close()
 
     # -- deploy ----------------------------------------------------------------------------

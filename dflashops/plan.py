@@ -13,7 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-from jinja2 import StrictUndefined, TemplateError
+from jinja2 import StrictUndefined, TemplateError, Undefined
+from jinja2.nativetypes import NativeEnvironment
 from jinja2.sandbox import SandboxedEnvironment
 from pydantic import ValidationError
 
@@ -88,11 +89,11 @@ def targets(inventory: Inventory, book: Playbook) -> tuple[list[str], list[Probl
     """Host names a playbook targets, or problems naming the unknown patterns."""
     names: list[str] = []
     problems = []
-    for i, pattern in enumerate(book.spec.host_patterns):
+    for i, pattern in enumerate(book.head.host_patterns):
         try:
             names.extend(n for n in inventory.expand([pattern]) if n not in names)
         except KeyError:
-            where: PathKey = ("hosts",) if isinstance(book.spec.hosts, str) else ("hosts", i)
+            where: PathKey = ("hosts",) if isinstance(book.head.hosts, str) else ("hosts", i)
             known = ", ".join(sorted([*inventory.hosts, *inventory.groups]))
             problems.append(
                 book.doc.problem(
@@ -118,6 +119,8 @@ def build_plan(
             if spec is not None:
                 placed.setdefault(name, []).append((book, spec))
     plan = Plan(hosts={}, problems=problems)
+    # A templated playbook is validated once per host: the same mistake must be said once.
+    problems[:] = list(dict.fromkeys(problems))
     for name, entries in placed.items():
         host_plan, errs = _plan_host(inventory.hosts[name], entries)
         plan.hosts[name] = host_plan
@@ -127,17 +130,23 @@ def build_plan(
 
 # -- {{ vars }} in playbook strings ---------------------------------------------------------------
 
-_values_env = SandboxedEnvironment(undefined=StrictUndefined, autoescape=False)
+
+class _NativeSandbox(NativeEnvironment, SandboxedEnvironment):
+    """`port: "{{ base_port }}"` must stay a number: a value that is exactly one expression
+    keeps its type; anything mixed with text is a string. Sandboxed: no attribute tricks."""
+
+
+_values_env = _NativeSandbox(undefined=StrictUndefined, autoescape=False)
 
 
 def _expand_for_host(book: Playbook, host: Host, problems: list[Problem]) -> PlaybookFile | None:
     """The playbook with ``{{ name }}`` in string values filled from playbook vars, then host vars
     (the host wins: a host-specific model path beats the playbook's), plus ``host`` and ``gpus``."""
     raw = book.doc.data
-    if "{{" not in repr(raw):
+    if book.spec is not None:
         return book.spec
     variables: dict[str, Any] = {
-        **book.spec.vars,
+        **book.head.vars,
         **host.vars,
         "host": host.name,
         "host_gpus": host.gpus,
@@ -156,7 +165,10 @@ def _expand_for_host(book: Playbook, host: Host, problems: list[Problem]) -> Pla
             return [walk(v, (*path, i)) for i, v in enumerate(value)]
         if isinstance(value, str) and "{{" in value:
             try:
-                return _values_env.from_string(value).render(variables)
+                out = _values_env.from_string(value).render(variables)
+                if isinstance(out, Undefined):
+                    str(out)  # a lone {{ nope }} renders natively to Undefined: make it raise
+                return out
             except Exception as exc:  # a {{ 1/0 }} is the user's input: report it, never crash
                 if not isinstance(exc, TemplateError):
                     exc = TemplateError(f"{type(exc).__name__}: {exc}")

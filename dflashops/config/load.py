@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from dflashops.config.inventory import Inventory, InventoryFile, resolve_hosts
-from dflashops.config.playbook import PlaybookFile, Service
+from dflashops.config.playbook import PlaybookFile, PlaybookHead, Service
 from dflashops.config.yamlsource import Document, PathKey, read_yaml
 from dflashops.errors import ConfigError, Problem
 
@@ -25,12 +25,17 @@ class Playbook:
     """A validated playbook and the file it came from (for locations and relative paths)."""
 
     path: Path
-    spec: PlaybookFile
+    head: PlaybookHead
+    spec: PlaybookFile | None  # None when values use {{ vars }}: validated per host instead
     doc: Document
 
     @property
     def name(self) -> str:
-        return self.spec.name
+        return self.head.name
+
+    @property
+    def templated(self) -> bool:
+        return self.spec is None
 
 
 def validate(doc: Document, model: type[M], what: str) -> M:
@@ -91,7 +96,11 @@ def _inventory_references(doc: Document) -> list[Problem]:
 
 def load_playbook(path: Path) -> Playbook:
     doc = read_yaml(path)
-    return Playbook(path=path, spec=validate(doc, PlaybookFile, "playbook"), doc=doc)
+    if "{{" in repr(doc.data):
+        head = validate(doc, PlaybookHead, "playbook")
+        return Playbook(path=path, head=head, spec=None, doc=doc)
+    spec = validate(doc, PlaybookFile, "playbook")
+    return Playbook(path=path, head=spec, spec=spec, doc=doc)
 
 
 def load_playbooks(paths: list[Path]) -> list[Playbook]:

@@ -234,14 +234,27 @@ class Job(UnitBase):
         return self
 
 
-class PlaybookFile(StrictModel):
-    """One playbook: services and jobs for a set of hosts."""
+class PlaybookHead(StrictModel):
+    """What a playbook is called and where it goes. A playbook whose values use {{ vars }} is
+    validated in full only per host, once the values are filled in (a port may come from a
+    host's vars); the head is checked right away."""
 
     name: Annotated[Name, Field(description="Playbook name.")]
     hosts: Annotated[Name | list[Name], Field(description="A host, a group, or a list of them.")]
     vars: Annotated[
         dict[str, Any], Field(description="Template variables for {{ name }} in string values.")
     ] = Field(default_factory=dict)
+    services: list[Any] = Field(default_factory=list)
+    jobs: list[Any] = Field(default_factory=list)
+
+    @property
+    def host_patterns(self) -> list[str]:
+        return [self.hosts] if isinstance(self.hosts, str) else list(self.hosts)
+
+
+class PlaybookFile(PlaybookHead):
+    """One playbook: services and jobs for a set of hosts."""
+
     services: Annotated[list[Service], Field(description="Long-running servers.")] = Field(
         default_factory=list
     )
@@ -257,7 +270,3 @@ class PlaybookFile(StrictModel):
                 raise ValueError(f"two services or jobs are named {unit.name!r}")
             seen.add(unit.name)
         return self
-
-    @property
-    def host_patterns(self) -> list[str]:
-        return [self.hosts] if isinstance(self.hosts, str) else list(self.hosts)

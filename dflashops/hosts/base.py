@@ -34,6 +34,7 @@ echo "ok $got"
 
 class BaseConnection(ABC):
     host: str
+    commands: int = 0  # remote commands run: the round trips that tests and benchmarks count
 
     @abstractmethod
     def run(

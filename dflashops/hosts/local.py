@@ -21,6 +21,7 @@ class LocalConnection(BaseConnection):
         check: bool = True,
     ) -> Result:
         shell = as_shell(command)
+        self.commands += 1
         try:
             # bash -c like sshd's session shell would; start_new_session keeps our terminal's
             # Ctrl-C from reaching what the command starts.

@@ -78,7 +78,6 @@ class SshConnection(BaseConnection):
         self.spec = host
         self.timeout = timeout
         self.fabric = fabric_connection(host, timeout)
-        self.commands = 0  # SSH commands run: tests and benchmarks count round trips with it
 
     @property
     def where(self) -> str:

@@ -260,3 +260,22 @@ def test_repo_examples_plan_cleanly() -> None:
     pro = {u.name: u for u in plan.hosts["pro6000"].units}
     assert pro["vllm-0"].gpus == (0, 1) and (pro["vllm-0"].tp, pro["vllm-0"].dp) == (2, 1)
     assert pro["train"].gpus == (4, 5, 6, 7) and pro["monitor"].gpus == ()
+
+
+def test_vars_keep_their_type_for_numeric_fields(write_tree: WriteTree) -> None:
+    plan = plan_of(
+        write_tree,
+        {
+            "s.yaml": """
+            name: s
+            hosts: all
+            vars: {base: 31000, reps: 2}
+            services:
+              - {name: s, engine: stub, model: "/m/{{ base }}", port: "{{ base + 10 }}", replicas: "{{ reps }}"}
+            """
+        },
+    )
+    assert messages(plan) == []
+    units = plan.hosts["b200"].units
+    assert [(u.name, u.port) for u in units] == [("s-0", 31010), ("s-1", 31011)]
+    assert units[0].spec.model == "/m/31000"  # type: ignore[union-attr]
