@@ -86,7 +86,14 @@ def main() -> int:
                     inv["hosts"][name]["vars"] = {"base_port": 32000 + 10 * i}
                 (base / "inventory.yaml").write_text(yaml.safe_dump(inv))
                 (base / "bench.yaml").write_text(yaml.safe_dump(PLAYBOOK))
-                common = ["-i", str(base / "inventory.yaml"), "-p", str(base / "bench.yaml"), "--forks", "16"]
+                common = [
+                    "-i",
+                    str(base / "inventory.yaml"),
+                    "-p",
+                    str(base / "bench.yaml"),
+                    "--forks",
+                    "16",
+                ]
                 events = base / "events.jsonl"
                 cold, code1, rows1 = run(["deploy", *common], events)
                 warm, code2, rows2 = run(["deploy", *common], events)
