@@ -437,7 +437,8 @@ def test_loaders_only_config_errors(root: Path, text: str) -> None:
     for stem, loader in (("inventory", load_inventory), ("playbook", load_playbook)):
         path = fresh(root / "loaded", stem)
         path.parent.mkdir(exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        # Lone surrogates become bytes that are not UTF-8: a broken file the loader must refuse.
+        path.write_bytes(text.encode("utf-8", "surrogatepass"))
         try:
             loader(path)
         except ConfigError as exc:
