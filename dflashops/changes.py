@@ -50,6 +50,8 @@ def describe_state(uf: UnitFacts | None) -> str:
         return "never started"
     if uf.running:
         return f"running (pid {uf.process.pid})"
+    if uf.stopped is not None and uf.pid is None:
+        return "stopped"
     if uf.exit is not None and uf.exit.code is not None:
         return f"exited with code {uf.exit.code}"
     if uf.pid is None:
@@ -58,7 +60,14 @@ def describe_state(uf: UnitFacts | None) -> str:
 
 
 def job_done(uf: UnitFacts | None) -> bool:
-    return uf is not None and not uf.running and uf.exit is not None and uf.exit.code == 0
+    """Finished by itself with exit 0 (a unit that `stop` ended is stopped, not done)."""
+    return (
+        uf is not None
+        and not uf.running
+        and uf.stopped is None
+        and uf.exit is not None
+        and uf.exit.code == 0
+    )
 
 
 def plan_changes(

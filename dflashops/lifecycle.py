@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from dflashops.changes import Change, describe_state, job_done, plan_changes
+from dflashops.changes import Change, describe_state, plan_changes
 from dflashops.config.inventory import Host
 from dflashops.config.playbook import Job, Ready
 from dflashops.engines import identity
@@ -241,9 +241,10 @@ class HostRun:
                 self.fail(c.name, "start", f"start failed: {res.error if res else 'no answer'}")
                 continue
             verb = "restarted" if c.action == "restart" else "started"
+            old = c.old_fingerprint
             detail = (
-                f"fingerprint {c.old_fingerprint[:12]} -> {c.rendered.short}"
-                if c.action == "restart" and c.old_fingerprint
+                f"fingerprint {old[:12]} -> {c.rendered.short}"
+                if c.action == "restart" and old and old != c.rendered.fingerprint
                 else c.reason
             )
             self.emit(
@@ -441,13 +442,7 @@ class HostRun:
                 if c.name in self.failed:
                     continue
                 if not c.runs_after:
-                    uf = facts.unit(c.name)
-                    self.emit(
-                        c.name,
-                        "ok",
-                        "verify",
-                        f"{describe_state(uf)}; {c.reason}" if not job_done(uf) else c.reason,
-                    )
+                    self.emit(c.name, "ok", "verify", c.reason)
                 self.ready.add(c.name)
 
 

@@ -25,7 +25,7 @@ from dflashops.config.inventory import Host
 from dflashops.engines import identity
 from dflashops.errors import DflashopsError, HostError
 from dflashops.events import EventLog
-from dflashops.hosts.facts import HostFacts
+from dflashops.hosts.facts import HostFacts, UnitFacts
 from dflashops.hosts.unitctl import UnitProbe, probe_units, tail_log
 from dflashops.lifecycle import HostRun, Options, health_text, probe_spec
 from dflashops.output import escape
@@ -199,10 +199,14 @@ def unit_state(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> tuple[
     if uf is None or (uf.pid is None and uf.exit is None):
         return ("stopped" if uf is not None and uf.unit is not None else "absent"), "-"
     if not uf.running:
-        if uf.exit is not None and uf.exit.code == 0:
-            return ("done" if r.unit.kind == "job" else "dead"), "-"
+        if uf.stopped is not None and uf.pid is None:
+            return "stopped", "-"
         if uf.exit is not None and uf.exit.code is not None:
-            return ("failed" if r.unit.kind == "job" else "dead"), f"exit {uf.exit.code}"
+            ran = run_time(uf)
+            outcome = f"exit {uf.exit.code}" + (f" after {ran}" if ran else "")
+            if r.unit.kind == "job":
+                return ("done" if uf.exit.code == 0 else "failed"), outcome
+            return "dead", outcome
         return ("stopped" if uf.pid is None else "dead"), "-"
     if r.unit.port is None or r.launch.health_path is None or probe is None:
         return ("running" if uf.fingerprint == r.fingerprint else "outdated"), "-"
@@ -217,6 +221,35 @@ def unit_state(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> tuple[
     return "ready", health
 
 
+def run_time(uf: UnitFacts) -> str:
+    if uf.pid is None or not uf.pid.started_at or uf.exit is None or not uf.exit.finished_at:
+        return ""
+    try:
+        began, ended = (
+            datetime.strptime(t, "%Y-%m-%dT%H:%M:%SZ")
+            for t in (uf.pid.started_at, uf.exit.finished_at)
+        )
+    except ValueError:
+        return ""
+    return _duration((ended - began).total_seconds())
+
+
+def failed_units(rendered: list[Rendered], facts: HostFacts) -> list[str]:
+    """Units that ended on their own with a non-zero exit: their log ends are worth showing."""
+    names = []
+    for r in rendered:
+        uf = facts.unit(r.unit.name)
+        if (
+            uf
+            and not uf.running
+            and uf.stopped is None
+            and uf.exit is not None
+            and uf.exit.code not in (0, None)
+        ):
+            names.append(r.unit.name)
+    return names
+
+
 def status(
     out: Console,
     *,
@@ -228,7 +261,7 @@ def status(
 ) -> int:
     target = prepare(out, inventory, hosts, playbooks)
 
-    def look(host: Host) -> tuple[HostFacts, dict[str, UnitProbe]]:
+    def look(host: Host) -> tuple[HostFacts, dict[str, UnitProbe], dict[str, str]]:
         run = HostRun(host, target.rendered[host.name], EventLog(out), Options())
         try:
             facts = run.gather()
@@ -242,7 +275,12 @@ def status(
                 if probed
                 else {}
             )
-            return facts, probes
+            # Only failed units cost an extra call each: the end of the log says why.
+            tails = {
+                name: tail_log(run.conn, host.python, facts.workdir, name, lines=10).text
+                for name in failed_units(run.rendered, facts)
+            }
+            return facts, probes, tails
         finally:
             run.close()
 
@@ -261,6 +299,7 @@ def status(
         box=None,
     )
     rows: list[dict[str, Any]] = []
+    failures: list[tuple[str, str, str, str]] = []
     bad = False
     for name, outcome in outcomes.items():
         if outcome.value is None:
@@ -279,9 +318,12 @@ def status(
             rows.append({"host": name, "state": "unreachable", "error": outcome.error})
             bad = True
             continue
-        facts, probes = outcome.value
+        facts, probes, tails = outcome.value
         for r in target.rendered[name]:
             row = status_row(r, facts, probes.get(r.unit.name))
+            if r.unit.name in tails:
+                row["log_tail"] = tails[r.unit.name]
+                failures.append((name, r.unit.name, row["health"], tails[r.unit.name]))
             rows.append(row)
             color = {
                 "ready": "green",
@@ -306,6 +348,9 @@ def status(
                 escape(row["progress"]),
             )
     out.print(table)
+    for host_name, unit, ended, text in failures:
+        out.print(f"[red]==> {escape(f'[{host_name}] {unit} ({ended}), end of its log:')}[/]")
+        out.out(text.rstrip("\n"), highlight=False)
     if json_path:
         with open(json_path, "w", encoding="utf-8") as handle:
             handle.write("\n".join(json.dumps(row, default=str) for row in rows) + "\n")

@@ -133,6 +133,15 @@ class ExitRecord(FactsModel):
     finished_at: str | None = None
 
 
+class StoppedRecord(FactsModel):
+    """units/<unit>/stopped, written by `dflashops stop`: the exit code that follows a stop is
+    the signal's doing, not the unit's outcome."""
+
+    stopped_at: str | None = None
+    pids: list[int] = Field(default_factory=list)
+    killed: bool | None = None
+
+
 class ProcessFacts(FactsModel):
     """What is at the recorded pid now (pgid, state, start time and cmdline are the live ones)."""
 
@@ -158,6 +167,7 @@ _RECORDS: tuple[tuple[str, type[FactsModel], str, str], ...] = (
     ("unit", UnitRecord, "unit_error", "unit.json"),
     ("pid", PidRecord, "pid_error", "pid"),
     ("exit", ExitRecord, "exit_error", "exit"),
+    ("stopped", StoppedRecord, "stopped_error", "stopped"),
 )
 
 
@@ -173,6 +183,8 @@ class UnitFacts(FactsModel):
     group_pids: list[int]  # live members of the recorded process group (only when ours)
     exit: ExitRecord | None
     exit_error: str | None = None
+    stopped: StoppedRecord | None = None
+    stopped_error: str | None = None
     logs: LogFacts
     progress: dict[str, Any] | None
     progress_error: str | None = None

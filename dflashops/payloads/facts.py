@@ -500,7 +500,12 @@ def read_unit(name: str, unit_dir: str, boot_id: str | None) -> Json:
     except OSError as exc:
         unit["script_sha256"] = None
         unit["script_error"] = describe(exc)
-    for key, filename in (("unit", "unit.json"), ("pid", "pid"), ("exit", "exit")):
+    for key, filename in (
+        ("unit", "unit.json"),
+        ("pid", "pid"),
+        ("exit", "exit"),
+        ("stopped", "stopped"),
+    ):
         try:
             unit[key] = read_json_object(os.path.join(unit_dir, filename))
         except (OSError, ValueError) as exc:

@@ -549,7 +549,8 @@ def start_locked(unit_dir: str, spec: Json, boot_id: str, out: Json) -> Json:
             out["error"] = unproven_message(unproven, rec)
             return out
 
-    for stale in ("exit", "stopped"):
+    # The previous run's outcome and progress must not be read as this run's.
+    for stale in ("exit", "stopped", "progress.json"):
         remove(os.path.join(unit_dir, stale))
     log_dir = os.path.join(unit_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
