@@ -118,7 +118,8 @@ def _each_host(
     for name, outcome in outcomes.items():
         if not outcome.ok:
             status = "failed" if outcome.unexpected else "unreachable"
-            events.emit(name, None, status, "host", outcome.error or "failed")  # type: ignore[arg-type]
+            message = (outcome.error or "failed").removeprefix(f"[{name}] ")  # the line names the host
+            events.emit(name, None, status, "host", message)  # type: ignore[arg-type]
     ok = events.print_recap(target.hosts)
     events.close()
     return 0 if ok else 2
@@ -375,7 +376,7 @@ def status_row(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> dict[s
         p = uf.progress
         done, total = p.get("done"), p.get("total")
         progress = f"{done}/{total}" if done is not None and total else ""
-        if p.get("eta_s") and p.get("state") == "running":
+        if p.get("eta_s") and p.get("state") == "running" and uf.running:
             progress += f" eta {_duration(float(p['eta_s']))}"
     return {
         "host": r.unit.host.name,
