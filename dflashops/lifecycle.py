@@ -12,6 +12,7 @@ import difflib
 import json
 import os
 import shlex
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from dflashops.changes import Change, describe_state, plan_changes
 from dflashops.config.inventory import Host
 from dflashops.config.playbook import Job, Ready
 from dflashops.engines import identity
+from dflashops.errors import HostError
 from dflashops.events import EventLog
 from dflashops.hosts import connect
 from dflashops.hosts.facts import HostFacts, gather_facts
@@ -38,6 +40,11 @@ class Options:
     rerun: bool = False  # run jobs again that finished with exit 0
     keep_logs: int = 20
     gpu_timeout: float = 60.0
+    abort: threading.Event = field(default_factory=threading.Event)  # set on Ctrl-C
+
+
+class Interrupted(HostError):
+    """Ctrl-C: the host stops between steps (never in the middle of a verified put)."""
 
 
 @dataclass
@@ -73,6 +80,13 @@ class HostRun:
         facts = gather_facts(self.conn, self.host.python, self.host.workdir)
         self.workdir = facts.workdir
         return facts
+
+    def check_abort(self) -> None:
+        if self.opts.abort.is_set():
+            raise Interrupted(
+                self.host.name,
+                "interrupted (Ctrl-C): stopped between steps; `dflashops status` shows where it stands",
+            )
 
     def close(self) -> None:
         # For --json readers and benchmarks: how many round trips this host cost.
@@ -175,6 +189,7 @@ class HostRun:
                 self.events.console.print(self.events.redact(diff), markup=False, highlight=False)
 
     def _ship_payloads(self, changes: list[Change]) -> None:
+        self.check_abort()
         sent: set[str] = set()
         for c in changes:
             for f in c.missing_payloads:
@@ -185,6 +200,7 @@ class HostRun:
                 self.emit(None, "changed", "ship", f"shipped {f.name} ({f.sha256[:12]})")
 
     def _ship_unit(self, c: Change) -> None:
+        self.check_abort()
         r = c.rendered
         base = self.unit_dir(c.name)
         self.conn.put(r.script.encode(), f"{base}/launch.sh", 0o755)
@@ -208,6 +224,7 @@ class HostRun:
             )
 
     def _stop(self, changes: list[Change]) -> None:
+        self.check_abort()
         if not changes:
             return
         results = stop_units(
@@ -227,6 +244,7 @@ class HostRun:
                 )
 
     def _start(self, changes: list[Change]) -> None:
+        self.check_abort()
         if not changes:
             return
         results = start_units(
@@ -269,6 +287,7 @@ class HostRun:
         ]
         for c in changes:
             c.action = "restart" if facts.unit(c.name) and facts.unit(c.name).running else "start"  # type: ignore[union-attr]
+            c.reason = "restart-servers"
         self._ship_payloads(changes)
         batches = [[c] for c in changes] if rolling else [changes]
         for i, batch in enumerate(batches):
@@ -356,7 +375,11 @@ class HostRun:
                     self.host.name,
                     f"{len(units) - len(pending)}/{len(units)} ready, waiting for {', '.join(sorted(pending))} ({waited:.0f}s)",
                 )
-                time.sleep(min(ready_settings(r).interval for r in pending.values()))
+                if self.opts.abort.wait(min(ready_settings(r).interval for r in pending.values())):
+                    raise Interrupted(
+                        self.host.name,
+                        f"interrupted while waiting for {', '.join(sorted(pending))}",
+                    )
         self.board(self.host.name, "")
 
     def _judge(

@@ -114,11 +114,13 @@ def _each_host(
             run.close()
 
     with board.running():
-        outcomes = on_hosts(list(target.hosts.values()), one, forks)
+        outcomes = on_hosts(list(target.hosts.values()), one, forks, opts.abort)
     for name, outcome in outcomes.items():
         if not outcome.ok:
             status = "failed" if outcome.unexpected else "unreachable"
-            message = (outcome.error or "failed").removeprefix(f"[{name}] ")  # the line names the host
+            message = (outcome.error or "failed").removeprefix(
+                f"[{name}] "
+            )  # the line names the host
             events.emit(name, None, status, "host", message)  # type: ignore[arg-type]
     ok = events.print_recap(target.hosts)
     events.close()

@@ -6,6 +6,7 @@ hides what happened on the others. Unlike Fabric's ThreadingGroup, the pool is b
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,9 +32,15 @@ class Outcome(Generic[T]):
 
 
 def on_hosts(
-    hosts: Sequence[Host], fn: Callable[[Host], T], forks: int = DEFAULT_FORKS
+    hosts: Sequence[Host],
+    fn: Callable[[Host], T],
+    forks: int = DEFAULT_FORKS,
+    abort: threading.Event | None = None,
 ) -> dict[str, Outcome[T]]:
-    """Run ``fn`` for every host, at most ``forks`` at a time; results in the hosts' order."""
+    """Run ``fn`` for every host, at most ``forks`` at a time; results in the hosts' order.
+
+    Ctrl-C sets ``abort`` before the pool waits for its threads, so host work that checks it
+    (readiness waits, the steps of a deploy) winds down instead of running to completion."""
 
     def one(host: Host) -> Outcome[T]:
         try:
@@ -50,5 +57,13 @@ def on_hosts(
     with ThreadPoolExecutor(
         max_workers=max(1, min(forks, len(hosts))), thread_name_prefix="host"
     ) as pool:
-        outcomes = list(pool.map(one, hosts))
+        futures = [pool.submit(one, h) for h in hosts]
+        try:
+            outcomes = [f.result() for f in futures]
+        except KeyboardInterrupt:
+            if abort is not None:
+                abort.set()
+            for f in futures:
+                f.cancel()  # hosts not begun yet are not begun at all
+            raise
     return {o.host: o for o in outcomes}
