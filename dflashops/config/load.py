@@ -103,29 +103,6 @@ def load_playbook(path: Path) -> Playbook:
     return Playbook(path=path, head=spec, spec=spec, doc=doc)
 
 
-def load_playbooks(paths: list[Path]) -> list[Playbook]:
-    """Load every playbook, collecting the problems of all of them before failing."""
-    books: list[Playbook] = []
-    problems: list[Problem] = []
-    for path in paths:
-        try:
-            books.append(load_playbook(path))
-        except ConfigError as exc:
-            problems.extend(exc.problems)
-    names: dict[str, Path] = {}
-    for book in books:
-        if book.name in names:
-            problems.append(
-                book.doc.problem(
-                    ("name",), f"playbook name {book.name!r} is also used by {names[book.name]}"
-                )
-            )
-        names.setdefault(book.name, book.path)
-    if problems:
-        raise ConfigError(problems)
-    return books
-
-
 def _mapping(value: Any) -> dict[Any, Any]:
     return value if isinstance(value, dict) else {}
 

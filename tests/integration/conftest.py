@@ -64,3 +64,13 @@ def fleet_factory(tmp_path: Path) -> Iterator[FleetFactory]:
     finally:
         for fleet in reversed(fleets):
             fleet.stop()
+
+
+@pytest.fixture
+def controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An isolated controller: empty HOME (no ~/.ssh/config or known_hosts of the machine's
+    user) and dflashops' own known_hosts under tmp_path."""
+    (tmp_path / "home" / ".ssh").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("DFLASHOPS_KNOWN_HOSTS", str(tmp_path / "known_hosts"))
+    return tmp_path

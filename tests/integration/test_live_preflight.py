@@ -19,14 +19,6 @@ from dflashops.hosts.ssh import SshConnection
 from dflashops.run import on_hosts
 
 
-@pytest.fixture
-def controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    (tmp_path / "home" / ".ssh").mkdir(parents=True)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("DFLASHOPS_KNOWN_HOSTS", str(tmp_path / "known_hosts"))
-    return tmp_path
-
-
 def test_live_preflight_reports_every_host(
     fleet4: Fleet, controller: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

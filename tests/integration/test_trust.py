@@ -13,14 +13,6 @@ from dflashops.config.load import load_inventory
 from dflashops.hosts.ssh import SshConnection
 
 
-@pytest.fixture
-def controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    (tmp_path / "home" / ".ssh").mkdir(parents=True)
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("DFLASHOPS_KNOWN_HOSTS", str(tmp_path / "known_hosts"))
-    return tmp_path
-
-
 def test_trust_records_and_reprovisioned_node_needs_it_again(
     fleet_factory: FleetFactory, controller: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
