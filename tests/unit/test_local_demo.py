@@ -1,0 +1,75 @@
+"""The embedded default, as README's first command runs it: playbooks/demo.yaml on a
+`connection: local` host (no SSH, no GPU): deploy, the generator finishes with progress in
+status, a second deploy is all ok, stop cleans up and keeps the logs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dflashops.cli import main
+from tests.conftest import REPO
+
+
+def free_base_port() -> int:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        try:
+            with socket.socket() as t:
+                t.bind(("127.0.0.1", base + 1))
+            return base
+        except OSError:
+            continue
+
+
+def test_local_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "playbooks").mkdir()
+    inventory = yaml.safe_load((REPO / "inventory.example.yaml").read_text())
+    local = inventory["hosts"]["local"]
+    (tmp_path / "inventory.yaml").write_text(
+        yaml.safe_dump({"hosts": {"local": local}, "groups": {"demo": ["local"]}})
+    )
+    demo: dict[str, Any] = yaml.safe_load((REPO / "playbooks" / "demo.yaml").read_text())
+    demo["services"][0]["port"] = free_base_port()
+    demo["jobs"][0]["args"]["prompts"] = str(REPO / "examples" / "demo-prompts.jsonl")
+    (tmp_path / "playbooks" / "demo.yaml").write_text(yaml.safe_dump(demo))
+    common = ["-i", str(tmp_path / "inventory.yaml")]
+
+    def cli(*args: str) -> str:
+        code = main([*args, *common])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        return out
+
+    try:
+        out = cli("deploy", "--host", "local")
+        assert "stub-0 ready and verified" in out and "generate started" in out
+        rows: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            cli("status", "--json", str(tmp_path / "status.jsonl"))
+            rows = {
+                r["unit"]: r
+                for r in map(json.loads, (tmp_path / "status.jsonl").read_text().splitlines())
+            }
+            if rows["generate"]["state"] != "running":
+                break
+            time.sleep(0.3)
+        assert rows["generate"]["state"] == "done" and rows["generate"]["progress"] == "40/40", rows
+        again = cli("deploy", "--host", "local")
+        assert "changed:" not in again and "ok=3 changed=0 failed=0" in again
+    finally:
+        stopped = cli("stop", "--host", "local")
+    assert "stub-0 stopped" in stopped and "stub-1 stopped" in stopped
+    workdir = tmp_path / ".dflashops" / "local"
+    assert list((workdir / "units" / "stub-0" / "logs").glob("*.log"))
+    completions = workdir / "units" / "generate" / "completions"
+    assert sum(1 for shard in completions.glob("completions-*.jsonl") for _ in shard.open()) == 40
