@@ -120,11 +120,15 @@ class HostRun:
                 self.emit(c.name, status, "plan", f"{verb} ({c.reason})")
             return
         runnable = [c for c in changes if c.runs_after and self._may_run(c, facts)]
-        self._ship_payloads(changes)
-        self._stop([c for c in runnable if c.action == "restart"])
-        for c in changes:
-            if c.action == "ship" or (c.runs_after and c.name not in self.failed):
-                self._ship_unit(c)
+        restarts = [c for c in runnable if c.action == "restart"]
+        # unit.json names what runs: a restarting unit gets its new files only once the old
+        # process is gone, so a failed stop never leaves a record that lies about it.
+        self._ship(
+            [c for c in changes if c.action == "ship" or (c.action == "start" and c in runnable)],
+            payloads=changes,
+        )
+        self._stop(restarts)
+        self._ship([c for c in restarts if c.name not in self.failed])
         services = [c for c in changes if c.rendered.unit.kind == "service"]
         self._start([c for c in services if c.runs_after and c.name not in self.failed])
         self._wait_ready(
@@ -188,25 +192,41 @@ class HostRun:
             if diff:
                 self.events.console.print(self.events.redact(diff), markup=False, highlight=False)
 
-    def _ship_payloads(self, changes: list[Change]) -> None:
+    def _ship(self, changes: list[Change], payloads: list[Change] | None = None) -> None:
+        """One verified round trip for every file of this step: the payloads ``payloads`` lack
+        on the host, then each unit's launch.sh, unit.json and (0600) secrets.env."""
         self.check_abort()
+        files: list[tuple[bytes, str, int]] = []
         sent: set[str] = set()
+        for c in payloads or []:
+            for f in c.missing_payloads:
+                if f.remote not in sent:
+                    sent.add(f.remote)
+                    files.append((f.local.read_bytes(), f"{self.workdir}/{f.remote}", 0o755))
         for c in changes:
+            files.extend(self._unit_files(c))
+        self.conn.put_many(files, self.host.python)
+        for c in payloads or []:
             for f in c.missing_payloads:
                 if f.remote in sent:
-                    continue
-                self.conn.put(f.local.read_bytes(), f"{self.workdir}/{f.remote}", 0o755)
-                sent.add(f.remote)
-                self.emit(None, "changed", "ship", f"shipped {f.name} ({f.sha256[:12]})")
+                    sent.discard(f.remote)
+                    self.emit(None, "changed", "ship", f"shipped {f.name} ({f.sha256[:12]})")
+        for c in changes:
+            if c.action == "ship":
+                self.emit(
+                    c.name,
+                    "changed",
+                    "ship",
+                    f"files shipped ({c.reason}); still running, not restarted",
+                )
 
-    def _ship_unit(self, c: Change) -> None:
-        self.check_abort()
+    def _unit_files(self, c: Change) -> list[tuple[bytes, str, int]]:
         r = c.rendered
         base = self.unit_dir(c.name)
-        self.conn.put(r.script.encode(), f"{base}/launch.sh", 0o755)
-        self.conn.put(
-            json.dumps(unit_record(r), indent=1).encode() + b"\n", f"{base}/unit.json", 0o644
-        )
+        files = [
+            (r.script.encode(), f"{base}/launch.sh", 0o755),
+            (json.dumps(unit_record(r), indent=1).encode() + b"\n", f"{base}/unit.json", 0o644),
+        ]
         secrets = r.unit.spec.secret_env
         if secrets:
             body = "".join(
@@ -214,14 +234,8 @@ class HostRun:
                 for k, v in sorted(secrets.items())
                 if v in os.environ
             )
-            self.conn.put(body.encode(), f"{base}/secrets.env", 0o600)
-        if c.action == "ship":
-            self.emit(
-                c.name,
-                "changed",
-                "ship",
-                f"files shipped ({c.reason}); still running, not restarted",
-            )
+            files.append((body.encode(), f"{base}/secrets.env", 0o600))
+        return files
 
     def _stop(self, changes: list[Change]) -> None:
         self.check_abort()
@@ -288,14 +302,12 @@ class HostRun:
         for c in changes:
             c.action = "restart" if facts.unit(c.name) and facts.unit(c.name).running else "start"  # type: ignore[union-attr]
             c.reason = "restart-servers"
-        self._ship_payloads(changes)
+        self._ship([], payloads=changes)
         batches = [[c] for c in changes] if rolling else [changes]
         for i, batch in enumerate(batches):
             batch = [c for c in batch if self._may_run(c, facts)]
             self._stop([c for c in batch if c.action == "restart"])
-            for c in batch:
-                if c.name not in self.failed:
-                    self._ship_unit(c)
+            self._ship([c for c in batch if c.name not in self.failed])
             self._start([c for c in batch if c.name not in self.failed])
             self._wait_ready(
                 [c.rendered for c in batch if c.name not in self.failed], {c.name: c for c in batch}

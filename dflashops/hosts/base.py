@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import shlex
 from abc import ABC, abstractmethod
+from functools import cache
+from importlib import resources
 
 from dflashops.errors import TransferError
 from dflashops.hosts.connection import Command, CommandError, Result
@@ -30,6 +33,11 @@ mv -f -- "$tmp" "$dst" || exit 8
 trap - EXIT
 echo "ok $got"
 """
+
+
+@cache
+def putmany_source() -> str:
+    return resources.files("dflashops.payloads").joinpath("putmany.py").read_text()
 
 
 class BaseConnection(ABC):
@@ -71,6 +79,44 @@ class BaseConnection(ABC):
                 f"shipping {path}: the host did not confirm the write (got {result.out.strip()!r})",
             )
         return want
+
+    def put_many(
+        self, files: list[tuple[bytes, str, int]], python: str, timeout: float | None = 600.0
+    ) -> None:
+        """Write several (data, path, mode) files in ONE round trip with the host's python;
+        the same promise as ``put`` for each, and none is renamed unless all arrived intact."""
+        if not files:
+            return
+        manifest = [
+            {
+                "path": path,
+                "size": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "mode": mode,
+            }
+            for data, path, mode in files
+        ]
+        command = [python, "-c", putmany_source(), json.dumps(manifest)]
+        try:
+            result = self.run(
+                command, input=b"".join(data for data, _, _ in files), timeout=timeout
+            )
+        except CommandError as exc:
+            paths = ", ".join(p for _, p, _ in files)
+            raise TransferError(
+                self.host,
+                f"shipping {paths} failed, previous versions left in place: {exc.result.err.strip() or exc}",
+            ) from None
+        answer = result.out.strip().splitlines()[-1:] or [""]
+        try:
+            written = json.loads(answer[0]).get("written")
+        except ValueError:
+            written = None
+        if written != [p for _, p, _ in files]:
+            raise TransferError(
+                self.host,
+                f"the host did not confirm the files it was sent (got {result.out.strip()[:200]!r})",
+            )
 
     def get(self, path: str, timeout: float | None = 120.0) -> bytes:
         """Read a file from the host (checked: a missing file raises, it does not return b'')."""

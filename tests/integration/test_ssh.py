@@ -295,3 +295,46 @@ def test_facts_payload_failures_are_errors_not_empty_hosts(
         gather_facts(conn, python, str(fleet4["h2"].workdir))
     assert "[h2]" in str(exc.value) and message in str(exc.value)
     conn.close()
+
+
+def test_put_many_over_ssh_survives_a_dropped_connection(
+    fleet_factory: FleetFactory, home: Path, tmp_path: Path
+) -> None:
+    fleet = fleet_factory("flaky")
+    trust_fleet(fleet, home)
+    flaky = fleet["flaky"]
+    small, big = flaky.workdir / "units" / "u" / "unit.json", flaky.workdir / "payloads" / "big.bin"
+    small.parent.mkdir(parents=True)
+    small.write_bytes(b"{}\n")
+    conn = SshConnection(host_of(fleet, "flaky", tmp_path))
+    conn.run("true")
+    errors: list[BaseException] = []
+
+    def ship() -> None:
+        try:
+            conn.put_many(
+                [(b'{"new": 1}\n', str(small), 0o644), (b"z" * (64 << 20), str(big), 0o644)],
+                "/usr/bin/python3",
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=ship)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not big.parent.is_dir() or not any(
+        ".dflashops-tmp." in p.name for p in big.parent.iterdir()
+    ):
+        assert time.monotonic() < deadline, "the transfer never started"
+        time.sleep(0.005)
+    flaky.kill_sessions()
+    worker.join(30)
+    assert errors and isinstance(errors[0], HostError), errors
+    assert small.read_bytes() == b"{}\n"  # none renamed: the first file waited for the second
+    deadline = time.monotonic() + 5
+    while any(".dflashops-tmp." in p.name for d in (small.parent, big.parent) for p in d.iterdir()):
+        assert time.monotonic() < deadline, f"temporary files left behind: {[p for d in (small.parent, big.parent) for p in d.iterdir()]} {errors}"
+        time.sleep(0.05)
+    rerun = SshConnection(host_of(fleet, "flaky", tmp_path))
+    rerun.put_many([(b'{"new": 1}\n', str(small), 0o644)], "/usr/bin/python3")
+    assert small.read_bytes() == b'{"new": 1}\n'
