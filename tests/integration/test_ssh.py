@@ -333,7 +333,9 @@ def test_put_many_over_ssh_survives_a_dropped_connection(
     assert small.read_bytes() == b"{}\n"  # none renamed: the first file waited for the second
     deadline = time.monotonic() + 5
     while any(".dflashops-tmp." in p.name for d in (small.parent, big.parent) for p in d.iterdir()):
-        assert time.monotonic() < deadline, f"temporary files left behind: {[p for d in (small.parent, big.parent) for p in d.iterdir()]} {errors}"
+        assert time.monotonic() < deadline, (
+            f"temporary files left behind: {[p for d in (small.parent, big.parent) for p in d.iterdir()]} {errors}"
+        )
         time.sleep(0.05)
     rerun = SshConnection(host_of(fleet, "flaky", tmp_path))
     rerun.put_many([(b'{"new": 1}\n', str(small), 0o644)], "/usr/bin/python3")
