@@ -2,8 +2,8 @@
 
 One ``HostRun`` per host (hosts run in parallel, see run.py). It holds the host's connection
 and reports every step through the shared EventLog. Round trips: facts (1), then only what the
-changes need: ship (1 per changed file), stop (1), start (1 per batch), one probe per readiness
-round for all pending units at once.
+changes need: ship (1, or 2 when units restart), stop (1), start (1 per batch), one probe per
+readiness round for all pending units at once.
 """
 
 from __future__ import annotations
