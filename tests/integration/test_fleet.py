@@ -154,8 +154,6 @@ def test_session_env_is_per_host(fleet4: Fleet) -> None:
 
 def test_fake_nvidia_smi_on_path(fleet4: Fleet) -> None:
     fake = REPO / "tests/fakes/bin/nvidia-smi"
-    if not fake.exists():
-        pytest.skip(f"{fake} is not there yet")
     for host in fleet4:
         with fleet_ssh(fleet4, host.name) as client:
             rc, out = run(client, "command -v nvidia-smi && nvidia-smi -L")
@@ -333,7 +331,7 @@ def test_fresh_port_race_is_retried(
     fleet_factory: FleetFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if not loopback_addresses_supported():
-        pytest.skip("needs 127.0.0.2")
+        fleet_module.sshd_unusable("this kernel refuses 127.0.0.2, which the port-race test needs")
     squatter = socket.socket()
     squatter.bind(("127.0.0.2", 0))
     squatter.listen()
@@ -374,7 +372,7 @@ def test_tmpfs_workdir_fills_up(fleet_factory: FleetFactory) -> None:
     try:
         host = fleet.add("disk", workdir_size_mib=4)
     except FleetUnsupported as exc:
-        pytest.skip(f"no size-limited tmpfs here: {exc}")
+        fleet_module.sshd_unusable(f"no size-limited tmpfs here: {exc}")
     fleet_module.start_fleet(fleet)
     workdir = shlex.quote(str(host.workdir))
     rc, out, _ = host.run(f"df -m --output=size,fstype {workdir} | tail -1")
