@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from dflashops.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -25,3 +28,15 @@ def write_tree(tmp_path: Path) -> WriteTree:
         return tmp_path
 
     return write
+
+
+def run_cli(args: list[str], cwd: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """`dflashops ARGS` run from ``cwd`` (where a user would stand): exit code and output."""
+    old = Path.cwd()
+    os.chdir(cwd)
+    try:
+        code = main(args)
+    finally:
+        os.chdir(old)
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err

@@ -7,7 +7,6 @@ expected.txt listing lines (or parts of lines) the report must contain.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,22 +14,10 @@ from xml.etree import ElementTree as ET
 
 import pytest
 
-from dflashops.cli import main
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 FIXTURES = REPO / "tests" / "fixtures" / "preflight"
 CASES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
-
-
-def run_cli(args: list[str], cwd: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    old = Path.cwd()
-    os.chdir(cwd)
-    try:
-        code = main(args)
-    finally:
-        os.chdir(old)
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -7,7 +7,6 @@ monitor script, so they stay in step with the real playbook.
 
 from __future__ import annotations
 
-import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -16,22 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from dflashops.cli import main
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 PLAYBOOK = REPO / "playbooks" / "train-dflash.yaml"
 INVENTORY = REPO / "inventory.example.yaml"
-
-
-def run_cli(args: list[str], cwd: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
-    old = Path.cwd()
-    os.chdir(cwd)
-    try:
-        code = main(args)
-    finally:
-        os.chdir(old)
-    captured = capsys.readouterr()
-    return code, captured.out + captured.err
 
 
 def variant(tmp_path: Path, change: Callable[[dict[str, Any]], None]) -> Path:
