@@ -425,8 +425,7 @@ class HostRun:
                 )
                 return True
             return False
-        body = p.identity.body if p.identity is not None else None
-        mismatches = identity.check(r, p.banner, body)
+        mismatches = identity.check(r, p)
         if mismatches:
             self.fail(
                 name,

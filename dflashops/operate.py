@@ -218,8 +218,7 @@ def unit_state(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> tuple[
         return "starting", health
     if uf.fingerprint != r.fingerprint:
         return "outdated", health  # runs an older rendering: `deploy` restarts it
-    body = probe.identity.body if probe.identity else None
-    if identity.check(r, probe.banner, body):
+    if identity.check(r, probe):
         return "drifted", health
     return "ready", health
 

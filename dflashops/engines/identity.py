@@ -3,15 +3,18 @@ banner with the desired unit (INCIDENTS.md #2: the old TP=2 DP=2 server kept run
 
 - SGLang and the stub: ``/server_info`` (fallback ``/get_server_info``): tp_size, dp_size,
   model_path, port.
-- vLLM: ``/v1/models`` (``root`` is the model path); TP and DP from the launch banner.
+- vLLM: ``/v1/models`` (``root`` is the model path); TP and DP from vLLM's own
+  ``non-default args: {...}`` log line (the launch banner when that line is missing).
 - Everything: the banner's unit name and fingerprint.
 """
 
 from __future__ import annotations
 
+import ast
 from typing import Any
 
 from dflashops.config.playbook import ModelService
+from dflashops.hosts.unitctl import UnitProbe
 from dflashops.render import Rendered
 
 Mismatch = tuple[str, str, str]  # field, expected, actual
@@ -27,8 +30,11 @@ def identity_paths(engine: str) -> list[str]:
     return IDENTITY_PATHS.get(engine, [])
 
 
-def check(r: Rendered, banner: dict[str, Any] | None, body: Any) -> list[Mismatch]:
+def check(r: Rendered, probe: UnitProbe) -> list[Mismatch]:
+    """Mismatches between the desired unit and what the probe found (empty: verified)."""
     unit = r.unit
+    banner = probe.banner
+    body = probe.identity.body if probe.identity is not None else None
     out: list[Mismatch] = []
     if banner is None:
         out.append(
@@ -59,10 +65,32 @@ def check(r: Rendered, banner: dict[str, Any] | None, body: Any) -> list[Mismatc
             out.append(
                 ("model (/v1/models root)", spec.model, ", ".join(map(str, roots)) or "no models")
             )
-        if banner is not None:
+        parsed = vllm_args(probe.server_args)
+        if parsed is not None:
+            # Only non-default values are listed: absent means vLLM's default of 1.
+            _cmp(
+                out,
+                "tensor_parallel_size (vLLM log)",
+                spec.tp,
+                parsed.get("tensor_parallel_size", 1),
+            )
+            _cmp(out, "data_parallel_size (vLLM log)", spec.dp, parsed.get("data_parallel_size", 1))
+        elif banner is not None:
             _cmp(out, "banner tp", spec.tp, banner.get("tp"))
             _cmp(out, "banner dp", spec.dp, banner.get("dp"))
     return out
+
+
+def vllm_args(text: str | None) -> dict[str, Any] | None:
+    """vLLM's `non-default args: {...}` is a Python dict repr; None when absent or not plain
+    literals (then the launch banner stands in)."""
+    if not text:
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _cmp(out: list[Mismatch], field: str, expected: Any, actual: Any) -> None:

@@ -161,6 +161,7 @@ class UnitProbe(FactsModel):
     health: HttpCheck | None  # None: no port or health path to probe
     identity: Identity | None  # None: not asked, or health was not 200
     banner: dict[str, Any] | None  # Banner's keys, checked against it (see banner_info)
+    server_args: str | None = None  # vLLM's own "non-default args: {...}" from the log
     log_tail: list[str] | None  # only when the process is not running (alive and ours)
     errors: list[str] = Field(default_factory=list)  # unreadable records or logs
 

@@ -476,6 +476,18 @@ def parse_banner(line: str) -> Json:
     return out
 
 
+SERVER_ARGS_MARKER = "non-default args: "  # vLLM logs what it parsed: its own report of TP/DP
+
+
+def read_server_args(path: str) -> str | None:
+    """The text after vLLM's `non-default args: ` in the head of the log, if any."""
+    for line in head_lines(path, 400, 256 * 1024):
+        at = line.find(SERVER_ARGS_MARKER)
+        if at >= 0:
+            return line[at + len(SERVER_ARGS_MARKER) :].strip()[:16384]
+    return None
+
+
 def read_banner(path: str) -> Json | None:
     for line in head_lines(path, BANNER_LINES):
         if line.startswith(BANNER_PREFIX):
@@ -995,6 +1007,7 @@ def unit_files(unit_dir: str, boot_id: str | None, log_lines: int) -> Json:
     if path is not None:
         try:
             out["banner"] = read_banner(path)
+            out["server_args"] = read_server_args(path)
             if not out["ours"]:
                 data, _ = tail_bytes(path, log_lines)
                 out["log_tail"] = data.decode("utf-8", "replace").splitlines()
