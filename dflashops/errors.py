@@ -42,11 +42,6 @@ class ConfigError(DflashopsError):
         super().__init__("\n".join(str(p) for p in problems))
 
 
-class PlanError(DflashopsError):
-    """Configuration that is valid on its own but cannot be laid out on the hosts (GPU, port or
-    name clashes, unknown dependencies)."""
-
-
 class HostError(DflashopsError):
     """A host could not be reached or did not do what it was asked."""
 
@@ -57,7 +52,3 @@ class HostError(DflashopsError):
 
 class TransferError(HostError):
     """A file did not arrive intact; the previous version is still in place."""
-
-
-class VerifyError(HostError):
-    """A unit runs, but not what was asked for, or it is not ready."""

@@ -196,21 +196,13 @@ class HostRun:
         """One verified round trip for every file of this step: the payloads ``payloads`` lack
         on the host, then each unit's launch.sh, unit.json and (0600) secrets.env."""
         self.check_abort()
-        files: list[tuple[bytes, str, int]] = []
-        sent: set[str] = set()
-        for c in payloads or []:
-            for f in c.missing_payloads:
-                if f.remote not in sent:
-                    sent.add(f.remote)
-                    files.append((f.local.read_bytes(), f"{self.workdir}/{f.remote}", 0o755))
+        missing = {f.remote: f for c in payloads or [] for f in c.missing_payloads}.values()
+        files = [(f.local.read_bytes(), f"{self.workdir}/{f.remote}", 0o755) for f in missing]
         for c in changes:
             files.extend(self._unit_files(c))
         self.conn.put_many(files, self.host.python)
-        for c in payloads or []:
-            for f in c.missing_payloads:
-                if f.remote in sent:
-                    sent.discard(f.remote)
-                    self.emit(None, "changed", "ship", f"shipped {f.name} ({f.sha256[:12]})")
+        for f in missing:
+            self.emit(None, "changed", "ship", f"shipped {f.name} ({f.sha256[:12]})")
         for c in changes:
             if c.action == "ship":
                 self.emit(
@@ -300,7 +292,8 @@ class HostRun:
             c for c in plan_changes(self.rendered, facts) if c.rendered.unit.kind == "service"
         ]
         for c in changes:
-            c.action = "restart" if facts.unit(c.name) and facts.unit(c.name).running else "start"  # type: ignore[union-attr]
+            uf = facts.unit(c.name)
+            c.action = "restart" if uf is not None and uf.running else "start"
             c.reason = "restart-servers"
         self._ship([], payloads=changes)
         batches = [[c] for c in changes] if rolling else [changes]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from rich.console import Console
+from rich.markup import escape as rich_escape
 
 
 def console(stderr: bool = False) -> Console:
@@ -20,10 +21,5 @@ def err(message: str) -> None:
 
 
 def escape(text: str) -> str:
-    from rich.markup import escape as _escape
-
-    return _escape(text)
-
-
-def is_tty() -> bool:
-    return sys.stdout.isatty()
+    """Text shown as is, even if it holds [brackets] that rich would read as markup."""
+    return rich_escape(text)

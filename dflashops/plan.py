@@ -71,9 +71,6 @@ class HostPlan:
     host: Host
     units: list[Unit] = field(default_factory=list)
 
-    def unit(self, name: str) -> Unit:
-        return next(u for u in self.units if u.name == name)
-
 
 @dataclass
 class Plan:

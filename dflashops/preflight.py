@@ -220,10 +220,7 @@ def to_junit(report: Report) -> str:
 
 
 def write_outputs(report: Report, json_path: str | None, junit_path: str | None) -> None:
-    for path, text in (
-        (json_path, to_json(report) if json_path else ""),
-        (junit_path, to_junit(report) if junit_path else ""),
-    ):
+    for path, render in ((json_path, to_json), (junit_path, to_junit)):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text + "\n", encoding="utf-8")
+            Path(path).write_text(render(report) + "\n", encoding="utf-8")

@@ -33,10 +33,6 @@ class Playbook:
     def name(self) -> str:
         return self.head.name
 
-    @property
-    def templated(self) -> bool:
-        return self.spec is None
-
 
 def validate(doc: Document, model: type[M], what: str) -> M:
     """Validate a parsed document against a model; every error located in the file."""

@@ -89,10 +89,6 @@ def resolve_file(ref: str, base: Path) -> Path:
     return Path(os.path.normpath(path if path.is_absolute() else base / path))
 
 
-def builtin_payloads() -> list[str]:
-    return sorted(p.stem for p in PAYLOAD_DIR.glob("*.py") if not p.name.startswith("_"))
-
-
 def known_flags(engine: str) -> frozenset[str]:
     data = Path(__file__).resolve().parent.parent / "data" / f"{engine}-flags.txt"
     return frozenset(line.strip() for line in data.read_text().splitlines() if line.strip())

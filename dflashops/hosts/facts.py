@@ -273,7 +273,7 @@ def payload_source() -> bytes:
     return resources.files("dflashops.payloads").joinpath("facts.py").read_bytes()
 
 
-def _command(python: str, request: str) -> Command:
+def payload_command(python: str, request: str) -> Command:
     if python.startswith("~/"):  # a quoted ~ would not expand: spell the home directory out
         return f'"$HOME"/{shlex.quote(python[2:])} - {shlex.quote(request)}'
     return [python, "-", request]
@@ -298,7 +298,7 @@ def gather_facts(
         "nvidia_smi_timeout": max(1.0, min(30.0, timeout / 2)),
     }
     result = conn.run(
-        _command(python, json.dumps(request)),
+        payload_command(python, json.dumps(request)),
         input=payload_source(),
         timeout=timeout,
         check=False,
@@ -333,7 +333,7 @@ def parse_facts(host: str, python: str, result: Result) -> HostFacts:
             f"the facts payload printed nothing (python {python!r}, exit code 0); "
             f"this is not a report of an empty host{stderr}",
         )
-    data = _load_json(text)
+    data = load_json_report(text)
     if data is None:
         shown = text[:200] + ("..." if len(text) > 200 else "")
         raise FactsError(
@@ -354,7 +354,7 @@ def parse_facts(host: str, python: str, result: Result) -> HostFacts:
         raise FactsError(host, f"the facts report does not validate: {summarize(exc)}") from None
 
 
-def _load_json(text: str) -> dict[str, Any] | None:
+def load_json_report(text: str) -> dict[str, Any] | None:
     """The report: the whole output, or else its last line (a login shell that prints a banner
     to stdout must not break facts). None when neither is a JSON object."""
     for candidate in (text, text.rsplit("\n", 1)[-1]):

@@ -28,7 +28,6 @@ from dflashops.hosts.hostkeys import (
     changed_message,
     key_name,
     lookup,
-    parse_key_line,
 )
 
 CONNECT_TIMEOUT = 15.0
@@ -245,7 +244,3 @@ class SshConnection(BaseConnection):
 
     def close(self) -> None:
         self.fabric.close()
-
-
-def pinned_key(line: str) -> paramiko.PKey:
-    return parse_key_line(line)

@@ -27,8 +27,7 @@ from dflashops.errors import HostError
 from dflashops.hosts.connection import Connection, Result, tail
 
 # Reused from facts (same transport, same tolerance of a login banner before the JSON line).
-# `_command` and `_load_json` are private there; they are shared on purpose, not copied.
-from dflashops.hosts.facts import FactsModel, _command, _load_json, summarize
+from dflashops.hosts.facts import FactsModel, load_json_report, payload_command, summarize
 
 SCHEMA = 1
 START_TIMEOUT = 60.0
@@ -326,7 +325,7 @@ def tail_log(
 
 def _call(conn: Connection, python: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
     result = conn.run(
-        _command(python, json.dumps(request)),
+        payload_command(python, json.dumps(request)),
         input=payload_source(),
         timeout=timeout,
         check=False,
@@ -360,7 +359,7 @@ def parse_answer(host: str, python: str, action: str, result: Result) -> dict[st
             host,
             f"{what} printed nothing (python {python!r}, exit code 0): no answer is not success{stderr}",
         )
-    data = _load_json(text)
+    data = load_json_report(text)
     if data is None:
         shown = text[:200] + ("..." if len(text) > 200 else "")
         raise UnitctlError(

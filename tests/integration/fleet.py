@@ -473,7 +473,9 @@ class FleetHost:
         entry.update(overrides)
         return entry
 
-    def connect(self, known_hosts: Path | None = None, timeout: float = 5.0) -> paramiko.SSHClient:
+    def connect(
+        self, known_hosts: Path | None = None, timeout: float = 5.0, key: Path | None = None
+    ) -> paramiko.SSHClient:
         """A paramiko client logged in as root, strict host keys (RejectPolicy)."""
         client = paramiko.SSHClient()
         client.set_missing_host_key_policy(paramiko.RejectPolicy())
@@ -483,7 +485,7 @@ class FleetHost:
                 self.address,
                 port=self.port,
                 username="root",
-                key_filename=str(self.fleet.client_key_path),
+                key_filename=str(key or self.fleet.client_key_path),
                 look_for_keys=False,
                 allow_agent=False,
                 timeout=timeout,

@@ -30,25 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def ssh(host: FleetHost, known_hosts: Path, key: Path, timeout: float = 5.0) -> paramiko.SSHClient:
     """A plain paramiko client: RejectPolicy and only the given known_hosts file."""
-    client = paramiko.SSHClient()
-    client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    client.load_host_keys(str(known_hosts))
-    try:
-        client.connect(
-            host.address,
-            port=host.port,
-            username="root",
-            key_filename=str(key),
-            look_for_keys=False,
-            allow_agent=False,
-            timeout=timeout,
-            banner_timeout=timeout,
-            auth_timeout=timeout,
-        )
-    except BaseException:
-        client.close()
-        raise
-    return client
+    return host.connect(known_hosts, timeout, key)
 
 
 def run(client: paramiko.SSHClient, command: str) -> tuple[int, str]:
