@@ -147,7 +147,7 @@ class SshConnection(BaseConnection):
         try:
             channel = transport.open_session(timeout=self.timeout)
             channel.exec_command(shell)
-            unsent = self._send(channel, input)
+            self._send(channel, input)
             stdout, stderr = self._collect(channel, shell, timeout)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise HostError(
@@ -156,10 +156,6 @@ class SshConnection(BaseConnection):
             ) from None
         code = channel.recv_exit_status()
         channel.close()
-        if unsent and code == 0:
-            # The command succeeded without reading all its input: not what was asked.
-            code = 141
-            stderr += f"dflashops: the command exited before reading {unsent} bytes of its input\n".encode()
         if code == -1:
             raise HostError(
                 self.host, f"connection to {self.where} lost: no exit status for {shell[:120]!r}"
@@ -169,10 +165,10 @@ class SshConnection(BaseConnection):
             raise CommandError(self.host, result)
         return result
 
-    def _send(self, channel: paramiko.Channel, data: bytes | None) -> int:
-        """Send stdin; returns how many bytes the command did not take. A command that exits
-        early (a full disk, a failed check) closes the channel under us: that is its answer to
-        read from its exit status and stderr, not a lost connection."""
+    def _send(self, channel: paramiko.Channel, data: bytes | None) -> None:
+        """Send stdin. A command that exits early (a full disk, a failed check) closes the
+        channel under us: its exit status and stderr are its answer, not a lost connection.
+        (As with a local pipe, input it never read is simply dropped.)"""
         sent = 0
         try:
             while data and sent < len(data):
@@ -181,7 +177,6 @@ class SshConnection(BaseConnection):
         except OSError:
             if not channel.exit_status_ready() and not channel.closed:
                 raise
-        return len(data or b"") - sent
 
     def _collect(
         self, channel: paramiko.Channel, shell: str, timeout: float | None
