@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.procs, shared by the test helpers
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from fleet import Fleet, sshd_unavailable_reason  # noqa: E402

@@ -20,20 +20,21 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.procs, shared by the test helpers
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from fleet import Fleet, sshd_unavailable_reason  # noqa: E402
 
+from dflashops.agent import Agent  # noqa: E402
 from dflashops.config.inventory import Host  # noqa: E402
 from dflashops.config.load import load_inventory  # noqa: E402
-from dflashops.hosts.facts import gather_facts  # noqa: E402
 from dflashops.hosts.ssh import SshConnection  # noqa: E402
 from dflashops.run import on_hosts  # noqa: E402
 
 
 def gather_all(hosts: list[Host], conns: dict[str, SshConnection]) -> float:
     start = time.perf_counter()
-    outcomes = on_hosts(hosts, lambda h: gather_facts(conns[h.name], h.python, h.workdir), forks=16)
+    outcomes = on_hosts(hosts, lambda h: Agent(conns[h.name], h.python).facts(h.workdir), forks=16)
     elapsed = time.perf_counter() - start
     failed = [o.error for o in outcomes.values() if not o.ok]
     if failed:

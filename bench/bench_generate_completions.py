@@ -27,6 +27,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(REPO))  # tests.procs, shared by the test helpers
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 
 from _stubservers import GENERATE, read_records, stub_servers, write_prompts  # noqa: E402

@@ -15,9 +15,9 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflashops.agent.answers import HostFacts, UnitFacts
 from dflashops.config.playbook import Job
 from dflashops.engines.base import ShippedFile
-from dflashops.hosts.facts import HostFacts, UnitFacts
 from dflashops.render import Rendered
 
 Action = Literal["ok", "ship", "start", "restart"]

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from dflashops.output import escape
 
-Status = Literal["ok", "changed", "failed", "unreachable", "skipped", "info"]
+Status = Literal["ok", "changed", "failed", "unreachable", "skipped", "info", "orphan"]
 COLORS = {
     "ok": "green",
     "changed": "yellow",
@@ -27,6 +27,7 @@ COLORS = {
     "unreachable": "red",
     "skipped": "cyan",
     "info": "blue",
+    "orphan": "magenta",
 }
 
 
@@ -51,6 +52,7 @@ class HostRecap:
     changed: int = 0
     failed: int = 0
     unreachable: int = 0
+    orphans: int = 0
     reasons: list[str] = field(default_factory=list)
 
 
@@ -120,6 +122,9 @@ class EventLog:
             r = out.setdefault(e.host, HostRecap())
             if e.status in ("failed", "unreachable"):
                 r.reasons.append(f"{e.unit + ': ' if e.unit else ''}{e.message.splitlines()[0]}")
+            if e.status == "orphan":
+                r.orphans += 1
+                continue
             if e.unit is None:
                 if e.status == "unreachable":
                     r.unreachable += 1
@@ -147,6 +152,7 @@ class EventLog:
             color = "red" if bad else ("yellow" if r.changed else "green")
             self.console.print(
                 f"[{color}]{host:<{width}}[/]  ok={r.ok} changed={r.changed} failed={r.failed} unreachable={r.unreachable}"
+                + (f" orphans={r.orphans}" if r.orphans else "")
             )
             for reason in r.reasons[:5]:
                 self.console.print(f"    [red]{escape(reason)}[/]")

@@ -1,9 +1,10 @@
 """Carry out changes on one host: ship, stop, start, wait for readiness, verify identity.
 
 One ``HostRun`` per host (hosts run in parallel, see run.py). It holds the host's connection
-and reports every step through the shared EventLog. Round trips: facts (1), then only what the
-changes need: ship (1, or 2 when units restart), stop (1), start (1 per batch), one probe per
-readiness round for all pending units at once.
+and agent and reports every step through the shared EventLog. Round trips: facts (1), then only
+what the changes need: ship (1, or 2 when units restart), stop (1), start (1 per batch), one
+probe per readiness round for all pending units at once. Orphans (units no project playbook
+defines for the host, see orphans.py) are named, block only what they hold, and go with --prune.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
+from dflashops.agent import Agent
+from dflashops.agent.answers import HostFacts, ProbeSpec, StopResult, UnitProbe
 from dflashops.changes import Change, describe_state, plan_changes
 from dflashops.config.inventory import Host
 from dflashops.config.playbook import Job, Ready
@@ -25,8 +28,7 @@ from dflashops.engines import identity
 from dflashops.errors import HostError
 from dflashops.events import EventLog
 from dflashops.hosts import connect
-from dflashops.hosts.facts import HostFacts, gather_facts
-from dflashops.hosts.unitctl import ProbeSpec, UnitProbe, probe_units, start_units, stop_units
+from dflashops.orphans import Orphan, blocking, find, ways_out
 from dflashops.render import Rendered
 
 Board = Callable[[str, str], None]  # host, text: the live progress line (no-op off a terminal)
@@ -38,6 +40,7 @@ class Options:
     diff: bool = False
     force: bool = False  # start even where GPUs hold memory of processes that are not ours
     rerun: bool = False  # run jobs again that finished with exit 0
+    prune: bool = False  # deploy: stop orphans and move their folders to units/.pruned/
     keep_logs: int = 20
     gpu_timeout: float = 60.0
     abort: threading.Event = field(default_factory=threading.Event)  # set on Ctrl-C
@@ -54,11 +57,16 @@ class HostRun:
     events: EventLog
     opts: Options = field(default_factory=Options)
     board: Board = lambda host, text: None
+    # Unit names the project's playbooks define for this host; None: unknown (a project
+    # playbook did not load), so nothing is called an orphan.
+    known: set[str] | None = None
     ready: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
+    orphans: list[Orphan] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.conn = connect(self.host)
+        self.agent = Agent(self.conn, self.host.python)
         self.by_name = {r.unit.name: r for r in self.rendered}
         self.workdir = self.host.workdir  # replaced by the host's absolute path at the first facts
 
@@ -77,8 +85,9 @@ class HostRun:
         return f"{self.workdir}/units/{name}"
 
     def gather(self) -> HostFacts:
-        facts = gather_facts(self.conn, self.host.python, self.host.workdir)
+        facts = self.agent.facts(self.host.workdir)
         self.workdir = facts.workdir
+        self.orphans = find(facts, self.known) if self.known is not None else []
         return facts
 
     def check_abort(self) -> None:
@@ -108,6 +117,7 @@ class HostRun:
         changes = plan_changes(self.rendered, facts, rerun=self.opts.rerun)
         if self.opts.diff:
             self._show_diffs(facts, changes)
+        self._orphans()
         if self.opts.check:
             for c in changes:
                 status = "ok" if c.action == "ok" else "changed"
@@ -152,6 +162,14 @@ class HostRun:
                     f"port {unit.port} is already taken by pid {holder} (not a dflashops unit); not started",
                 )
                 return False
+        for orphan, held in blocking(self.orphans, facts, unit.port, unit.gpus):
+            self.fail(
+                c.name,
+                "start",
+                f"{held} held by orphan {orphan.name} ({orphan.describe()}), which no playbook "
+                f"defines any more; not started: {ways_out(orphan.name)}",
+            )
+            return False
         for gpu in unit.gpus:
             foreign = [p for p in facts.gpus.processes if p.gpu_index == gpu and p.pid not in ours]
             if foreign and not self.opts.force:
@@ -200,7 +218,7 @@ class HostRun:
         files = [(f.local.read_bytes(), f"{self.workdir}/{f.remote}", 0o755) for f in missing]
         for c in changes:
             files.extend(self._unit_files(c))
-        self.conn.put_many(files, self.host.python)
+        self.agent.write(self.workdir, files)
         for f in missing:
             self.emit(None, "changed", "ship", f"shipped {f.name} ({f.sha256[:12]})")
         for c in changes:
@@ -233,9 +251,7 @@ class HostRun:
         self.check_abort()
         if not changes:
             return
-        results = stop_units(
-            self.conn,
-            self.host.python,
+        results = self.agent.stop(
             self.workdir,
             [(c.name, c.rendered.unit.spec.stop_grace) for c in changes],
             gpu_timeout=self.opts.gpu_timeout,
@@ -253,12 +269,7 @@ class HostRun:
         self.check_abort()
         if not changes:
             return
-        results = start_units(
-            self.conn,
-            self.host.python,
-            self.workdir,
-            [(c.name, self.opts.keep_logs) for c in changes],
-        )
+        results = self.agent.start(self.workdir, [(c.name, self.opts.keep_logs) for c in changes])
         for c in changes:
             res = results.get(c.name)
             if res is None or not res.ok:
@@ -315,45 +326,78 @@ class HostRun:
                     )
                 return
 
-    def stop_all(self) -> None:
-        """Stop every unit of this host that dflashops started (jobs first, then services)."""
+    def stop(self, names: list[str] | None, everything: bool) -> None:
+        """Stop units dflashops started here: the ``names`` given (orphans too); else every
+        unit in the host's workdir (``everything``: no -p); else the selected playbooks' units
+        and the orphans. Jobs first, then services, then the rest. Units of the playbooks keep
+        their stop_grace; any other unit stops with the grace recorded when it was deployed."""
         facts = self.gather()
-        order = list(reversed(self.rendered))
+        grace: dict[str, float | None] = {
+            r.unit.name: r.unit.spec.stop_grace for r in self.rendered
+        }
+        ours = [r.unit.name for r in reversed(self.rendered)]
+        if names is not None:
+            order = [n for n in names if n in facts.units or n in grace]
+        elif everything:
+            order = ours + [n for n in sorted(facts.units) if n not in ours]
+        else:
+            order = ours + [o.name for o in self.orphans]
         running = [
-            r
-            for r in order
-            if (uf := facts.unit(r.unit.name)) is not None and (uf.running or uf.group_pids)
+            n for n in order if (uf := facts.unit(n)) is not None and (uf.running or uf.group_pids)
         ]
-        for r in order:
-            if r not in running:
-                self.emit(
-                    r.unit.name,
-                    "ok",
-                    "stop",
-                    f"not running ({describe_state(facts.unit(r.unit.name))})",
-                )
-        if not running:
+        for name in order:
+            if name not in running:
+                self.emit(name, "ok", "stop", f"not running ({describe_state(facts.unit(name))})")
+        results = self.agent.stop(
+            self.workdir, [(n, grace.get(n)) for n in running], gpu_timeout=self.opts.gpu_timeout
+        )
+        for name in running:
+            res = results.get(name)
+            if res is None or not res.ok:
+                self.fail(name, "stop", f"stop incomplete: {stop_problem(res)}")
+                continue
+            self.emit(name, "changed", "stop", f"stopped ({stopped_text(res)}; logs kept)")
+
+    def _orphans(self) -> None:
+        """Name every orphan; with --prune, stop them first (proven group only, grace, GPU
+        release) and move their folders to units/.pruned/, logs included."""
+        if not self.orphans:
             return
-        results = stop_units(
-            self.conn,
-            self.host.python,
+        if not self.opts.prune or self.opts.check:
+            for o in self.orphans:
+                verb = "--prune would stop it" if self.opts.prune else ways_out(o.name)
+                self.emit(
+                    o.name,
+                    "orphan",
+                    "orphan",
+                    f"{o.describe()}; no playbook defines it for this host any more: {verb}",
+                    pid=o.facts.process.pid,
+                    port=o.port,
+                    gpus=o.gpus,
+                )
+            return
+        self.check_abort()
+        results = self.agent.stop(
             self.workdir,
-            [(r.unit.name, r.unit.spec.stop_grace) for r in running],
+            [(o.name, None) for o in self.orphans],
+            prune=True,
             gpu_timeout=self.opts.gpu_timeout,
         )
-        for r in running:
-            res = results.get(r.unit.name)
-            if res is None or not res.ok:
-                self.fail(r.unit.name, "stop", f"stop incomplete: {stop_problem(res)}")
+        kept = []
+        for o in self.orphans:
+            res = results[o.name]
+            if not res.ok:
+                kept.append(o)
+                self.fail(o.name, "prune", f"orphan not pruned: {stop_problem(res)}")
                 continue
-            how = "SIGKILL after the grace period" if res.killed else "SIGTERM"
-            gpu = "; GPU memory released" if res.gpu_freed else ""
+            how = stopped_text(res) if res.was_running else "was not running"
             self.emit(
-                r.unit.name,
+                o.name,
                 "changed",
-                "stop",
-                f"stopped (pids {', '.join(map(str, res.pids))} by {how}{gpu}; logs kept)",
+                "prune",
+                f"orphan pruned ({how}; folder moved to {res.pruned_to})",
             )
+        self.orphans = kept
 
     # -- readiness and identity ------------------------------------------------------------
 
@@ -365,9 +409,7 @@ class HostRun:
         deadline = {n: started + ready_settings(r).timeout for n, r in pending.items()}
         last: dict[str, str] = {}
         while pending:
-            probes = probe_units(
-                self.conn, self.host.python, self.workdir, [probe_spec(r) for r in pending.values()]
-            )
+            probes = self.agent.probe(self.workdir, [probe_spec(r) for r in pending.values()])
             for name, r in list(pending.items()):
                 verdict = self._judge(
                     r, probes.get(name), changes.get(name), time.monotonic() > deadline[name], last
@@ -498,6 +540,7 @@ def unit_record(r: Rendered) -> dict[str, object]:
         "tp": u.tp,
         "dp": u.dp,
         "playbook": u.playbook.name,
+        "stop_grace": u.spec.stop_grace,
         "deployed_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
@@ -519,6 +562,12 @@ def auth_headers(r: Rendered) -> dict[str, str]:
     spec = r.unit.spec
     key = spec.args.get("api-key") if not isinstance(spec, Job) else None
     return {"Authorization": f"Bearer {key}"} if isinstance(key, str) else {}
+
+
+def stopped_text(res: StopResult) -> str:
+    how = "SIGKILL after the grace period" if res.killed else "SIGTERM"
+    gpu = "; GPU memory released" if res.gpu_freed else ""
+    return f"pids {', '.join(map(str, res.pids))} by {how}{gpu}"
 
 
 def stop_problem(res: object) -> str:

@@ -46,6 +46,10 @@ class Selection:
     playbooks: list[Playbook]
     hosts: list[str] | None  # None: every host the playbooks target
     problems: list[Problem]
+    # Every playbook of the project (playbooks/*.yaml beside the inventory, plus any given with
+    # -p), whatever -p selected: what the orphan rule compares against. None when one of them
+    # does not load: then nothing can be called an orphan.
+    project: list[Playbook] | None = None
 
 
 def select(inventory_path: Path, playbooks: list[str], hosts: list[str]) -> Selection:
@@ -72,14 +76,28 @@ def select(inventory_path: Path, playbooks: list[str], hosts: list[str]) -> Sele
         )
     books: list[Playbook] = []
     problems: list[Problem] = []
+    project: list[Playbook] | None = []
     for path in paths:
         try:
             book = load_playbook(path)
         except ConfigError as exc:
             problems.extend(exc.problems)
+            project = None
             continue
+        if project is not None:
+            project.append(book)
         if explicit or host_names is None or _targets_any(inventory, book, host_names):
             books.append(book)
+    if explicit and project is not None:
+        given = {p.resolve() for p in paths}
+        for path in sorted((inventory_path.parent / "playbooks").glob("*.y*ml")):
+            if path.resolve() in given:
+                continue
+            try:
+                project.append(load_playbook(path))
+            except ConfigError:
+                project = None  # its units cannot be told from orphans
+                break
     seen: dict[str, Path] = {}
     for book in books:
         if book.name in seen:
@@ -89,7 +107,7 @@ def select(inventory_path: Path, playbooks: list[str], hosts: list[str]) -> Sele
                 )
             )
         seen.setdefault(book.name, book.path)
-    return Selection(inventory, books, host_names, problems)
+    return Selection(inventory, books, host_names, problems, project)
 
 
 def _targets_any(inventory: Inventory, book: Playbook, hosts: list[str]) -> bool:

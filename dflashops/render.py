@@ -18,17 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from jinja2 import (
-    ChoiceLoader,
     Environment,
     FileSystemLoader,
-    PackageLoader,
     StrictUndefined,
     TemplateError,
 )
 
 from dflashops import __version__
 from dflashops.engines import launch_for
-from dflashops.engines.base import Launch, ShippedFile, Token, WorkPath
+from dflashops.engines.base import HostPath, Launch, ShippedFile, Token, WorkPath
 from dflashops.errors import Problem
 from dflashops.plan import Plan, Unit
 
@@ -44,6 +42,9 @@ def quote(value: Any) -> Quoted:
         return value
     if isinstance(value, WorkPath):
         return Quoted('"${DFLASHOPS_WORKDIR}"/' + shlex.quote(value.relative))
+    if isinstance(value, HostPath):
+        home = value.path.startswith("~/")
+        return Quoted('"$HOME"/' + shlex.quote(value.path[2:]) if home else shlex.quote(value.path))
     if value is None:
         return Quoted("''")
     if isinstance(value, (list, tuple)):
@@ -84,14 +85,22 @@ def template_dirs(playbook_paths: Iterable[Path]) -> list[Path]:
     return dirs
 
 
+def builtin_templates() -> Path:
+    """The built-in templates: the repo's top-level templates/ in a source checkout (and an
+    editable install), dflashops/templates/ in an installed wheel (pyproject maps one onto the
+    other: there is one copy)."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "templates", here.parent / "templates"):
+        if (candidate / "_unit.sh.j2").is_file():
+            return candidate
+    raise RuntimeError(
+        f"dflashops' templates are missing (looked in {here}/templates and ../templates)"
+    )
+
+
 def make_environment(override_dirs: list[Path]) -> Environment:
     env = Environment(
-        loader=ChoiceLoader(
-            [
-                FileSystemLoader([str(d) for d in override_dirs]),
-                PackageLoader("dflashops", "templates"),
-            ]
-        ),
+        loader=FileSystemLoader([*(str(d) for d in override_dirs), str(builtin_templates())]),
         undefined=StrictUndefined,
         finalize=_finalize,
         autoescape=False,

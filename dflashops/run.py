@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import Host
 from dflashops.errors import DflashopsError
 
 T = TypeVar("T")
-DEFAULT_FORKS = 10
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,29 @@ def run_cli(args: list[str], cwd: Path, capsys: pytest.CaptureFixture[str]) -> t
         os.chdir(old)
     captured = capsys.readouterr()
     return code, captured.out + captured.err
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No test leaves a process behind: at the end of the session (after every other fixture,
+    the sshd fleets included, is torn down) anything still running with its working directory
+    in this session's tmp folders (every unit dflashops starts runs in its unit folder there)
+    is a leak. It is killed, and the session fails naming it."""
+    import signal
+
+    from tests.procs import all_pids
+
+    base = str(tmp_path_factory.getbasetemp())
+    yield
+    leaks = []
+    for pid in all_pids():
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:160]
+        except OSError:
+            continue
+        if pid != os.getpid() and (cwd == base or cwd.startswith(base + os.sep)):
+            leaks.append(f"pid {pid} in {cwd}: {cmd}")
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    assert not leaks, "processes left behind by the tests (now killed):\n  " + "\n  ".join(leaks)

@@ -117,20 +117,47 @@ def located_problems(doc: Document, model: type[BaseModel], exc: ValidationError
     """Map pydantic errors onto file positions. Errors from the branches of one union land on the
     same value; they are merged into one message so a bad value is reported once."""
     merged: dict[PathKey, list[str]] = {}
+    raw: dict[PathKey, list[Any]] = {}
     for err in exc.errors(include_url=False):
         loc = tuple(err["loc"])
         path = _data_path(doc.data, loc)
         if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
             path = (*path, "engine")
+        raw.setdefault(path, []).append(err)
         message = _message(err, model, loc, doc, path)
         bucket = merged.setdefault(path, [])
         if message not in bucket:
             bucket.append(message)
     problems = []
     for path, messages in merged.items():
-        text = messages[0] if len(messages) == 1 else "invalid value: " + "; or ".join(messages[:4])
+        text = _choice_or_type(raw[path]) if len(messages) > 1 else messages[0]
+        if text is None:
+            text = "invalid value: " + "; or ".join(messages[:4])
         problems.append(doc.problem(path, text))
     return problems
+
+
+_TYPE_NAMES = {
+    "list_type": "a list",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "dict_type": "a mapping",
+}
+
+
+def _choice_or_type(errors: list[Any]) -> str | None:
+    """A union of fixed choices and a type (`gpus: auto | [0, 1]`) said as one sentence:
+    "must be one of auto or a list (got 'nope')"; None for any other mix."""
+    literals = [e for e in errors if e["type"] == "literal_error"]
+    types = [_TYPE_NAMES.get(e["type"]) for e in errors if e["type"] != "literal_error"]
+    if not literals or not types or None in types:
+        return None
+    choices = ", ".join(
+        str(e["ctx"]["expected"]).replace(" or ", ", ").replace("'", "") for e in literals
+    )
+    return f"must be one of {choices} or {' or '.join(dict.fromkeys(t for t in types if t))} (got {_shown(errors[0].get('input'))})"
 
 
 def _data_path(data: Any, loc: tuple[Any, ...]) -> PathKey:
@@ -202,16 +229,25 @@ def _message(
         return f"unknown key {key!r}{hint}"
     if kind == "missing":
         return f"required field `{loc[-1]}` is missing"
-    if kind in ("union_tag_invalid", "union_tag_not_found"):
-        return "`engine` must be one of sglang, vllm, stub, command"
+    if kind == "union_tag_invalid":
+        return f"`engine` must be one of {', '.join(ENGINES)} (got {_shown(err['ctx']['tag'])})"
+    if kind == "union_tag_not_found":
+        return f"required field `engine` is missing: one of {', '.join(ENGINES)}"
+    if kind == "literal_error":
+        choices = str(err["ctx"]["expected"]).replace(" or ", ", ").replace("'", "")
+        return f"must be one of {choices} (got {_shown(err.get('input'))})"
     msg = str(err["msg"])
     if msg.startswith("Value error, "):
         return msg[len("Value error, ") :]
     value = err.get("input")
     if isinstance(value, (str, int, float, bool)):
-        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
-        msg = f"{msg}, got {shown} ({_kind(value)})"
+        msg = f"{msg}, got {_shown(value)} ({_kind(value)})"
     return msg
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:

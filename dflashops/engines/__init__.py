@@ -7,6 +7,7 @@ from pathlib import Path
 from dflashops.config.playbook import CommandService, Job, ModelService, VllmService
 from dflashops.engines.base import (
     HOST_PREFIX,
+    HostPath,
     Launch,
     ShippedFile,
     Token,
@@ -20,7 +21,7 @@ from dflashops.plan import Unit
 def launch_for(unit: Unit) -> Launch:
     """The argv and files of a unit. Problems (a missing script) come back in ``Launch.problems``."""
     spec = unit.spec
-    python = unit.host.python
+    python = HostPath(unit.host.python)
     if isinstance(spec, Job):
         return _job(unit, spec, python)
     if isinstance(spec, CommandService):
@@ -92,7 +93,7 @@ def _sglang_core(spec: ModelService, port: str) -> list[str]:
     ]
 
 
-def _job(unit: Unit, job: Job, python: str) -> Launch:
+def _job(unit: Unit, job: Job, python: Token) -> Launch:
     launch = Launch([])
     if job.command is not None:
         head: list[Token] = list(job.command)
@@ -121,7 +122,7 @@ def _ship(unit: Unit, ref: str, launch: Launch, field_path: tuple[str, ...]) -> 
         return ref
     if not exists:
         hint = (
-            " (built-in payloads live in dflashops/payloads/)"
+            " (built-in workloads live in dflashops/builtins/)"
             if ref.startswith("dflashops:")
             else ""
         )

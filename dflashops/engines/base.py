@@ -11,7 +11,7 @@ from typing import Any
 
 from dflashops.errors import Problem
 
-PAYLOAD_DIR = Path(__file__).resolve().parent.parent / "payloads"
+BUILTINS_DIR = Path(__file__).resolve().parent.parent / "builtins"
 BUILTIN_PREFIX = "dflashops:"
 HOST_PREFIX = "host:"  # a file already on the host: not shipped, not compiled here
 
@@ -42,7 +42,15 @@ class WorkPath:
     relative: str
 
 
-Token = str | WorkPath
+@dataclass(frozen=True)
+class HostPath:
+    """A path on the host as the inventory spells it: ``~/venv/bin/python3`` must expand to the
+    host user's home when the script runs (a quoted ~ would not)."""
+
+    path: str
+
+
+Token = str | WorkPath | HostPath
 
 
 @dataclass
@@ -80,10 +88,10 @@ def _scalar(value: Any) -> str:
 
 
 def resolve_file(ref: str, base: Path) -> Path:
-    """'dflashops:NAME' -> the built-in payload NAME.py; otherwise a path relative to ``base``."""
+    """'dflashops:NAME' -> the built-in workload NAME.py; otherwise a path relative to ``base``."""
     if ref.startswith(BUILTIN_PREFIX):
         name = ref[len(BUILTIN_PREFIX) :]
-        return PAYLOAD_DIR / f"{name}.py"
+        return BUILTINS_DIR / f"{name}.py"
     path = Path(ref).expanduser()
     # normpath: messages should say scripts/x.py, not playbooks/../scripts/x.py
     return Path(os.path.normpath(path if path.is_absolute() else base / path))

@@ -13,8 +13,8 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from dflashops.agent.answers import UnitProbe
 from dflashops.config.playbook import ModelService
-from dflashops.hosts.unitctl import UnitProbe
 from dflashops.render import Rendered
 
 Mismatch = tuple[str, str, str]  # field, expected, actual

@@ -1,4 +1,4 @@
-"""Talking to hosts: connections (ssh, local), host keys, facts, verified transfer."""
+"""Talking to hosts, transport only: connections (ssh, local) and host keys."""
 
 from __future__ import annotations
 

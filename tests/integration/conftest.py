@@ -2,6 +2,8 @@
 
 - `fleet4`: session-scoped, hosts h1..h4 (8, 8, 4, 2 GPUs); do not break its hosts.
 - `fleet_factory`: a fresh fleet per call, for tests that stop, kill or re-key hosts.
+- `ops(fleet, hosts=...)`: a controller (lifecycle_helpers.Ops) whose units are all stopped at
+  teardown; the test fails if anything dflashops started is left on a host.
 - `sshd_unusable(reason)` / `start_fleet(fleet)` (from fleet.py): skip locally, fail when CI=true.
 
 Every test under tests/integration carries the `sshd` marker.
@@ -9,12 +11,13 @@ Every test under tests/integration carries the `sshd` marker.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fleet import FLEET4_GPUS, Fleet, FleetFactory, start_fleet
+from lifecycle_helpers import Ops
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -74,3 +77,23 @@ def controller(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("DFLASHOPS_KNOWN_HOSTS", str(tmp_path / "known_hosts"))
     return tmp_path
+
+
+@pytest.fixture
+def ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ops]]:
+    """`ops(fleet, hosts=...)` -> an Ops controller for the fleet; everything it deployed is
+    stopped at teardown, and nothing started by dflashops may be left running."""
+    made: list[Ops] = []
+
+    def make(fleet: Fleet, **kw: Any) -> Ops:
+        base = tmp_path / f"ctl{len(made)}"
+        base.mkdir()
+        monkeypatch.setenv("HOME", str(base / "home"))
+        monkeypatch.setenv("DFLASHOPS_KNOWN_HOSTS", str(base / "dflashops_known_hosts"))
+        controller = Ops(base, fleet, **kw)
+        made.append(controller)
+        return controller
+
+    yield make
+    problems = [p for controller in made for p in controller.cleanup()]
+    assert not problems, "\n".join(problems)

@@ -46,6 +46,8 @@ from typing import Any, NoReturn, Protocol
 import paramiko
 import yaml
 
+from tests import procs
+
 SSHD = "/usr/sbin/sshd"
 HOST_PYTHON = "/usr/bin/python3"
 PRIVSEP_DIR = Path("/run/sshd")
@@ -83,24 +85,14 @@ class FleetFactory(Protocol):
 # --------------------------------------------------------------------------- processes
 
 
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, ppid, starttime) of a pid, or None when it is gone."""
-    try:
-        data = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    rest = data[data.rindex(b")") + 2 :].split()
-    return rest[0].decode(), int(rest[1]), int(rest[19])
-
-
 def _ref(pid: int) -> ProcRef | None:
-    st = _proc_stat(pid)
-    return None if st is None else (pid, st[2])
+    st = procs.stat(pid)
+    return None if st is None else (pid, int(st[procs.START_TIME]))
 
 
 def _alive(ref: ProcRef) -> bool:
-    st = _proc_stat(ref[0])
-    return st is not None and st[2] == ref[1] and st[0] != "Z"
+    st = procs.stat(ref[0])
+    return st is not None and int(st[procs.START_TIME]) == ref[1] and st[procs.STATE] != "Z"
 
 
 def _signal(ref: ProcRef, sig: int) -> bool:
@@ -113,18 +105,12 @@ def _signal(ref: ProcRef, sig: int) -> bool:
     return True
 
 
-def _all_pids() -> Iterator[int]:
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            yield int(entry.name)
-
-
 def _descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
-    for pid in _all_pids():
-        st = _proc_stat(pid)
+    for pid in procs.all_pids():
+        st = procs.stat(pid)
         if st is not None:
-            children.setdefault(st[1], []).append(pid)
+            children.setdefault(int(st[procs.PPID]), []).append(pid)
     found: list[int] = []
     todo = [root]
     while todo:
@@ -241,16 +227,11 @@ _PORTS_IN_USE: set[int] = set()  # ports held by live hosts of any fleet in this
 
 
 def _reserve_free_port(address: str) -> int:
-    """A port that is free on `address` now and unused by any fleet host of this process."""
+    """A port free on every address now, unused by any fleet host of this process."""
+    port = procs.free_port()
     with _PORTS_LOCK:
-        for _ in range(100):
-            with socket.socket() as s:
-                s.bind((address, 0))
-                port = int(s.getsockname()[1])
-            if port not in _PORTS_IN_USE:
-                _PORTS_IN_USE.add(port)
-                return port
-    raise FleetError(f"no free port found on {address}")
+        _PORTS_IN_USE.add(port)
+    return port
 
 
 def _release_port(port: int) -> None:
@@ -434,7 +415,7 @@ class FleetHost:
         marker = f"FAKE_GPU_STATE={self.gpu_dir}".encode()
         found: list[ProcRef] = []
         me = os.getpid()
-        for pid in _all_pids():
+        for pid in procs.all_pids():
             if pid == me:
                 continue
             try:

@@ -1,12 +1,11 @@
 """Helpers for the lifecycle tests (test_lifecycle.py): drive `dflashops` through its CLI
 against the sshd test fleet and look at what really happened on the hosts.
 
-- `free_ports(n)`: n consecutive ports free on every local address (all fleet hosts share one
-  network namespace, and facts report a listener on any address as taking the port).
 - `Ops`: an inventory for a fleet, playbooks written into tmp_path, `run(...)` calling
   `dflashops.cli.main` with `-i/-p/--json`, returning the exit code, the JSON events and the
   console output. `cleanup()` stops every unit of every playbook it wrote.
-- `/proc` helpers: a process's liveness, start time, environment and process group.
+- host-side views: a unit's folder, pid record, engine pid, fake GPU processes, SSH sessions
+  (generic /proc helpers and free ports are in tests/procs.py).
 """
 
 from __future__ import annotations
@@ -15,13 +14,10 @@ import contextlib
 import io
 import json
 import os
-import random
 import shutil
-import socket
-import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,93 +26,13 @@ import yaml
 from fleet import Fleet, FleetHost
 
 from dflashops.cli import main
-
-# Below the kernel's ephemeral range (32768+), where sshd and client sockets take their ports,
-# and below the engines' default ports (30000+) that other tests may use as they are.
-_PORT_LOW, _PORT_HIGH = 20000, 29900
-_PORT_LOCK = threading.Lock()
-_PORTS_TAKEN: set[int] = set()
+from tests.procs import alive, environ, group_members
 
 READY = {"timeout": "30s", "interval": "0.2s"}
 MODEL = "/dev/shm/Qwen3.6-27B"
 
 
-def _port_free(port: int) -> bool:
-    """Nothing listens on `port` on any address (a wildcard bind fails if any address has it)."""
-    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-        try:
-            with socket.socket(family) as s:
-                s.bind((address, port))
-        except OSError:
-            if family == socket.AF_INET6:
-                continue  # no IPv6 here: the IPv4 check stands
-            return False
-    return True
-
-
-def free_ports(count: int = 1) -> int:
-    """The first of `count` consecutive free ports (unique within this process)."""
-    with _PORT_LOCK:
-        rng = random.Random(os.getpid() ^ time.monotonic_ns())
-        for _ in range(500):
-            base = rng.randrange(_PORT_LOW, _PORT_HIGH - count)
-            ports = range(base, base + count)
-            if any(p in _PORTS_TAKEN for p in ports):
-                continue
-            if all(_port_free(p) for p in ports):
-                _PORTS_TAKEN.update(ports)
-                return base
-    raise RuntimeError("no free port range found")
-
-
 # ------------------------------------------------------------------------------ /proc
-
-
-def proc_stat(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_bytes()
-    except OSError:
-        return None
-    return raw[raw.rfind(b")") + 2 :].decode().split()
-
-
-def alive(pid: int) -> bool:
-    st = proc_stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
-def start_time(pid: int) -> int:
-    st = proc_stat(pid)
-    assert st is not None, f"pid {pid} is gone"
-    return int(st[19])
-
-
-def pgid_of(pid: int) -> int | None:
-    st = proc_stat(pid)
-    return None if st is None else int(st[2])
-
-
-def environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        key, eq, value = item.partition(b"=")
-        if eq:
-            out[key.decode(errors="replace")] = value.decode(errors="replace")
-    return out
-
-
-def group_members(pgid: int) -> list[int]:
-    out = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            st = proc_stat(int(entry.name))
-            if st is not None and st[0] not in ("Z", "X") and int(st[2]) == pgid:
-                out.append(int(entry.name))
-    return sorted(out)
 
 
 def unit_processes(host: FleetHost) -> list[int]:
@@ -135,23 +51,6 @@ def unit_processes(host: FleetHost) -> list[int]:
         ):
             found.append(pid)
     return sorted(found)
-
-
-def boot_id() -> str:
-    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-
-
-def wait_for(
-    what: str, check: Callable[[], Any], timeout: float = 20.0, every: float = 0.05
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(every)
 
 
 def http_json(port: int, path: str, timeout: float = 5.0) -> Any:
@@ -348,3 +247,36 @@ def foreign_process(argv: list[str], env: dict[str, str] | None = None) -> Itera
         if proc.poll() is None:
             proc.kill()
         proc.wait()
+
+
+# ------------------------------------------------------------------------------ playbook entries
+
+
+def sglang(port: int | str, replicas: int = 2, **kw: Any) -> dict[str, Any]:
+    return {
+        "name": "sglang",
+        "engine": "sglang",
+        "model": MODEL,
+        "replicas": replicas,
+        "port": port,
+        "ready": READY,
+        "stop_grace": "2s",
+        **kw,
+    }
+
+
+def stub(name: str, port: int, env: dict[str, str] | None = None, **kw: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "engine": "stub",
+        "model": MODEL,
+        "port": port,
+        "ready": READY,
+        "stop_grace": "2s",
+        "env": env or {},
+        **kw,
+    }
+
+
+def job(name: str, script: str, **kw: Any) -> dict[str, Any]:
+    return {"name": name, "command": ["bash", "-c", script], "stop_grace": "2s", **kw}

@@ -24,38 +24,35 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fleet import Fleet, FleetFactory, FleetHost
+from fleet import FleetFactory, FleetHost
 from lifecycle_helpers import (
-    MODEL,
     READY,
     Ops,
     Result,
-    alive,
-    boot_id,
     dflashops_tmp_files,
     engine_pid,
     foreign_process,
-    free_ports,
     gpu_procs,
-    group_members,
     http_json,
     http_status,
+    job,
     pid_record,
-    proc_stat,
+    sglang,
     ssh_sessions,
-    start_time,
+    stub,
     unit_dir,
     unit_pid,
-    wait_for,
 )
 
-import dflashops.operate
+import dflashops.commands.deploy
 from dflashops.lifecycle import Options
+from tests.procs import alive, boot_id, free_ports, group_members, start_time, wait_for
+from tests.procs import stat as proc_stat
 
 AUX_SERVER = ["/usr/bin/python3", "-m", "http.server", "--bind", "127.0.0.1", "{port}"]
 FOREIGN_PYTHON = ["/usr/bin/python3", "-c", "import time; time.sleep(300)"]
@@ -63,56 +60,6 @@ IGNORES_TERM = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IG
 
 
 # ------------------------------------------------------------------------------ fixtures
-
-
-@pytest.fixture
-def ops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Ops]]:
-    """`ops(fleet, hosts=...)` -> an Ops controller for the fleet; everything it deployed is
-    stopped at teardown, and nothing started by dflashops may be left running."""
-    made: list[Ops] = []
-
-    def make(fleet: Fleet, **kw: Any) -> Ops:
-        base = tmp_path / f"ctl{len(made)}"
-        base.mkdir()
-        monkeypatch.setenv("HOME", str(base / "home"))
-        monkeypatch.setenv("DFLASHOPS_KNOWN_HOSTS", str(base / "dflashops_known_hosts"))
-        controller = Ops(base, fleet, **kw)
-        made.append(controller)
-        return controller
-
-    yield make
-    problems = [p for controller in made for p in controller.cleanup()]
-    assert not problems, "\n".join(problems)
-
-
-def sglang(port: int | str, replicas: int = 2, **kw: Any) -> dict[str, Any]:
-    return {
-        "name": "sglang",
-        "engine": "sglang",
-        "model": MODEL,
-        "replicas": replicas,
-        "port": port,
-        "ready": READY,
-        "stop_grace": "2s",
-        **kw,
-    }
-
-
-def stub(name: str, port: int, env: dict[str, str] | None = None, **kw: Any) -> dict[str, Any]:
-    return {
-        "name": name,
-        "engine": "stub",
-        "model": MODEL,
-        "port": port,
-        "ready": READY,
-        "stop_grace": "2s",
-        "env": env or {},
-        **kw,
-    }
-
-
-def job(name: str, script: str, **kw: Any) -> dict[str, Any]:
-    return {"name": name, "command": ["bash", "-c", script], "stop_grace": "2s", **kw}
 
 
 def only_statuses(res: Result, host: str, units: list[str], wanted: set[str]) -> None:
@@ -643,7 +590,9 @@ def test_gpu_memory_held_after_stop_fails_stop_and_blocks_start_unless_forced(
 ) -> None:
     # The wait for GPU memory is 60 s in dflashops and has no option; a short one keeps this
     # test quick (the behaviour under test is the same).
-    monkeypatch.setattr(dflashops.operate, "Options", functools.partial(Options, gpu_timeout=2.0))
+    monkeypatch.setattr(
+        dflashops.commands.deploy, "Options", functools.partial(Options, gpu_timeout=2.0)
+    )
     fleet = fleet_factory("g")
     host = fleet["g"]
     ctl = ops(fleet)
@@ -882,7 +831,7 @@ def test_status_shows_every_state_and_job_progress_and_logs_prints_the_end(
     for u in ("crashy-0", "finish", "broken"):
         wait_for(f"{u} to end", lambda u=u: (unit_dir(host, u) / "exit").exists(), timeout=20)
     wait_for("progress", lambda: (unit_dir(host, "progress") / "progress.json").exists())
-    assert ctl.run("stop", "idle-0").code == 0
+    assert ctl.run("stop", "--unit", "idle-0").code == 0
 
     status_path = ctl.base / "status.json"
     st = ctl.run("status", "--json", str(status_path), json_events=False)

@@ -12,9 +12,9 @@ import pytest
 import yaml
 from fleet import Fleet, FleetFactory
 
+from dflashops.agent import Agent
 from dflashops.cli import main
 from dflashops.config.load import load_inventory
-from dflashops.hosts.facts import gather_facts
 from dflashops.hosts.ssh import SshConnection
 from dflashops.run import on_hosts
 
@@ -112,7 +112,7 @@ def test_facts_from_16_hosts_take_one_ssh_command_each(
 
     def facts(host):  # type: ignore[no-untyped-def]
         conn = connections[host.name] = SshConnection(host)
-        return gather_facts(conn, host.python, host.workdir)
+        return Agent(conn, host.python).facts(host.workdir)
 
     outcomes = on_hosts(list(inventory.hosts.values()), facts, forks=16)
     assert all(o.ok for o in outcomes.values()), [o.error for o in outcomes.values() if not o.ok]

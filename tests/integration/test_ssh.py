@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import socket
 import subprocess
@@ -15,12 +14,15 @@ import pytest
 import yaml
 from fleet import Fleet, FleetFactory, FleetUnsupported
 
+from dflashops.agent import Agent, AgentError
 from dflashops.config.inventory import Host
 from dflashops.config.load import load_inventory
 from dflashops.errors import HostError, TransferError
 from dflashops.hosts.connection import CommandError, CommandTimeout
 from dflashops.hosts.hostkeys import ChangedHostKey, UnknownHostKey
 from dflashops.hosts.ssh import SshConnection
+
+HOST_PYTHON = "/usr/bin/python3"
 
 
 @pytest.fixture
@@ -161,14 +163,19 @@ def test_ssh_config_alias_and_proxyjump(fleet4: Fleet, home: Path, tmp_path: Pat
     b.close()
 
 
-def test_put_is_verified_atomic_and_keeps_prev(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
+def agent(conn: SshConnection, python: str = HOST_PYTHON) -> Agent:
+    return Agent(conn, python)
+
+
+def test_write_is_verified_atomic_and_keeps_prev(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
     trust_fleet(fleet4, home)
     conn = SshConnection(host_of(fleet4, "h4", tmp_path))
+    workdir = str(fleet4["h4"].workdir)
     target = fleet4["h4"].workdir / "put-test" / "launch.sh"
     first = b"#!/bin/sh\necho one\n"
-    assert conn.put(first, str(target), 0o755) == hashlib.sha256(first).hexdigest()
+    agent(conn).write(workdir, [(first, str(target), 0o755)])
     assert target.read_bytes() == first and target.stat().st_mode & 0o777 == 0o755
-    conn.put(b"two\n", str(target))
+    agent(conn).write(workdir, [(b"two\n", str(target), 0o644)])
     assert (
         target.read_bytes() == b"two\n" and (target.parent / "launch.sh.prev").read_bytes() == first
     )
@@ -176,7 +183,21 @@ def test_put_is_verified_atomic_and_keeps_prev(fleet4: Fleet, home: Path, tmp_pa
     with pytest.raises(CommandError, match="No such file"):
         conn.get(str(target.parent / "missing"))
     assert sorted(p.name for p in target.parent.iterdir()) == ["launch.sh", "launch.sh.prev"]
+    assert conn.commands == 4  # two writes, two gets: one round trip each
     conn.close()
+
+
+def corrupting_python(host_dir: Path) -> str:
+    """A host python whose stdin is altered on the way: the last byte (the end of the last file
+    sent) is flipped, as a corrupted transfer would deliver it."""
+    wrapper = host_dir / "bin" / "python-corrupting"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        "exec /usr/bin/python3 -c 'import sys; d = sys.stdin.buffer.read(); "
+        'sys.stdout.buffer.write(d[:-1] + bytes([d[-1] ^ 1]))\' | /usr/bin/python3 "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return str(wrapper)
 
 
 def test_corrupted_transfer_is_caught(
@@ -188,22 +209,16 @@ def test_corrupted_transfer_is_caught(
     target = liar.workdir / "f.txt"
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(b"old\n")
-    # This host's sha256sum reports a different hash, as a corrupted write would produce.
-    fake = liar.bin_dir / "sha256sum"
-    fake.write_text(
-        '#!/bin/sh\necho 0000000000000000000000000000000000000000000000000000000000000000  "$2"\n'
-    )
-    fake.chmod(0o755)
     conn = SshConnection(host_of(fleet, "liar", tmp_path))
     with pytest.raises(TransferError) as exc:
-        conn.put(b"new\n", str(target))
-    assert "sha256 mismatch on the host" in str(
-        exc.value
-    ) and "previous version left in place" in str(exc.value)
+        agent(conn, corrupting_python(liar.dir)).write(
+            str(liar.workdir), [(b"new\n", str(target), 0o644)]
+        )
+    assert "sha256 mismatch on the host" in str(exc.value)
+    assert "previous versions left in place" in str(exc.value)
     assert target.read_bytes() == b"old\n"
     assert sorted(p.name for p in target.parent.iterdir()) == ["f.txt"]
-    fake.unlink()
-    conn.put(b"new\n", str(target))
+    agent(conn).write(str(liar.workdir), [(b"new\n", str(target), 0o644)])
     assert target.read_bytes() == b"new\n"
 
 
@@ -213,52 +228,15 @@ def test_full_disk_keeps_old_file(fleet_factory: FleetFactory, home: Path, tmp_p
     except FleetUnsupported as exc:
         pytest.fail(f"this machine cannot mount a small tmpfs for the full-disk test: {exc}")
     trust_fleet(fleet, home)
+    workdir = str(fleet["tiny"].workdir)
     target = fleet["tiny"].workdir / "payloads" / "big.bin"
     conn = SshConnection(host_of(fleet, "tiny", tmp_path))
-    conn.put(b"small\n", str(target))
+    agent(conn).write(workdir, [(b"small\n", str(target), 0o644)])
     with pytest.raises(TransferError) as exc:
-        conn.put(b"x" * (4 << 20), str(target))
+        agent(conn).write(workdir, [(b"x" * (4 << 20), str(target), 0o644)])
     assert "No space left on device" in str(exc.value) or "disk full" in str(exc.value)
     assert target.read_bytes() == b"small\n"
     assert sorted(p.name for p in target.parent.iterdir()) == ["big.bin"]
-
-
-def test_sshd_killed_mid_transfer(fleet_factory: FleetFactory, home: Path, tmp_path: Path) -> None:
-    fleet = fleet_factory("flaky")
-    trust_fleet(fleet, home)
-    flaky = fleet["flaky"]
-    target = flaky.workdir / "model.bin"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(b"old version\n")
-    conn = SshConnection(host_of(fleet, "flaky", tmp_path))
-    conn.run("true")
-    payload = b"y" * (64 << 20)  # big enough that the kill lands mid-stream
-    errors: list[BaseException] = []
-
-    def ship() -> None:
-        try:
-            conn.put(payload, str(target))
-        except BaseException as exc:
-            errors.append(exc)
-
-    worker = threading.Thread(target=ship)
-    worker.start()
-    deadline = time.monotonic() + 10
-    while not any(p.name.startswith(".model.bin.dflashops-tmp") for p in target.parent.iterdir()):
-        assert time.monotonic() < deadline, "the transfer never started"
-        time.sleep(0.005)
-    flaky.kill_sessions()
-    worker.join(30)
-    assert errors and isinstance(errors[0], HostError), errors
-    assert "lost" in str(errors[0]) or "failed" in str(errors[0])
-    assert target.read_bytes() == b"old version\n"
-    deadline = time.monotonic() + 5
-    while sorted(p.name for p in target.parent.iterdir()) != ["model.bin"]:
-        assert time.monotonic() < deadline, f"temporary file left: {list(target.parent.iterdir())}"
-        time.sleep(0.05)
-    rerun = SshConnection(host_of(fleet, "flaky", tmp_path))
-    rerun.put(b"new version\n", str(target))
-    assert target.read_bytes() == b"new version\n"
 
 
 def test_silent_port_times_out(fleet4: Fleet, home: Path, tmp_path: Path) -> None:
@@ -280,26 +258,26 @@ def test_silent_port_times_out(fleet4: Fleet, home: Path, tmp_path: Path) -> Non
     ("python", "message"),
     [
         ("/bin/true", "printed nothing"),
-        ("/bin/echo", "not a JSON report"),
+        ("/bin/echo", "not a JSON answer"),
         ("/nonexistent/python3", "not found on the host"),
     ],
 )
-def test_facts_payload_failures_are_errors_not_empty_hosts(
+def test_agent_failures_are_errors_not_empty_hosts(
     fleet4: Fleet, home: Path, tmp_path: Path, python: str, message: str
 ) -> None:
-    from dflashops.hosts.facts import FactsError, gather_facts
-
     trust_fleet(fleet4, home)
     conn = SshConnection(host_of(fleet4, "h2", tmp_path))
-    with pytest.raises(FactsError) as exc:
-        gather_facts(conn, python, str(fleet4["h2"].workdir))
+    with pytest.raises(AgentError) as exc:
+        agent(conn, python).facts(str(fleet4["h2"].workdir))
     assert "[h2]" in str(exc.value) and message in str(exc.value)
     conn.close()
 
 
-def test_put_many_over_ssh_survives_a_dropped_connection(
+def test_write_over_ssh_survives_a_dropped_connection(
     fleet_factory: FleetFactory, home: Path, tmp_path: Path
 ) -> None:
+    """sshd's sessions killed mid-stream: none of the files is renamed, no temporary file is
+    left, and the next call works."""
     fleet = fleet_factory("flaky")
     trust_fleet(fleet, home)
     flaky = fleet["flaky"]
@@ -312,9 +290,9 @@ def test_put_many_over_ssh_survives_a_dropped_connection(
 
     def ship() -> None:
         try:
-            conn.put_many(
+            agent(conn).write(
+                str(flaky.workdir),
                 [(b'{"new": 1}\n', str(small), 0o644), (b"z" * (64 << 20), str(big), 0o644)],
-                "/usr/bin/python3",
             )
         except BaseException as exc:
             errors.append(exc)
@@ -338,5 +316,5 @@ def test_put_many_over_ssh_survives_a_dropped_connection(
         )
         time.sleep(0.05)
     rerun = SshConnection(host_of(fleet, "flaky", tmp_path))
-    rerun.put_many([(b'{"new": 1}\n', str(small), 0o644)], "/usr/bin/python3")
+    agent(rerun).write(str(flaky.workdir), [(b'{"new": 1}\n', str(small), 0o644)])
     assert small.read_bytes() == b'{"new": 1}\n'

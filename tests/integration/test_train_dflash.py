@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,18 +23,13 @@ import yaml
 from fleet import Fleet, FleetFactory, FleetHost
 
 from dflashops.cli import main
+from tests.procs import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "train-dflash"
 GPU_MIB = 97887  # an RTX PRO 6000
 VLLM_MIB = int(0.85 * GPU_MIB)  # the fake vLLM registers gpu-memory-utilization x memory
 TRAIN_MIB = 40000  # fake_train.py's default --gpu-mib
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-PAYLOADS = REPO / "dflashops" / "payloads"
+PAYLOADS = REPO / "dflashops" / "builtins"
 STUB_ENGINE = PAYLOADS / "stub_engine.py"
 GENERATE = PAYLOADS / "generate_completions.py"
 MODEL_PATH = "/dev/shm/Qwen3.6-27B"

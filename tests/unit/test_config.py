@@ -50,7 +50,7 @@ def test_all_inventory_errors_in_one_report(write_tree: WriteTree) -> None:
     got = problems(load_inventory, root / "inventory.yaml")
     file = str(root / "inventory.yaml")
     assert (
-        f"{file}:2:3: defaults.host_key_policy: Input should be 'strict' or 'accept-new', got False (a boolean)"
+        f"{file}:2:3: defaults.host_key_policy: must be one of strict, accept-new (got False)"
         in got
     )
     assert (
@@ -153,7 +153,7 @@ def test_engine_specific_fields(write_tree: WriteTree) -> None:
         ("model", '"/m\\0x"', "paths may not contain newlines or NUL characters"),
         ("port", "'30000'", "Input should be a valid integer, got '30000' (a string)"),
         ("replicas", "1.5", "Input should be a valid integer, got 1.5 (a number)"),
-        ("gpus", "all", "Input should be 'auto', got 'all' (a string)"),
+        ("gpus", "all", "must be one of auto or a list (got 'all')"),
         ("env", "{BAD-NAME: x}", "'BAD-NAME' is not a valid environment variable name"),
         ("env", "{FLAG: yes}", "write booleans as quoted strings"),
         ("secret_env", "{HF_TOKEN: hf_abc$}", "'hf_abc$' is not a valid environment variable name"),
@@ -211,3 +211,52 @@ def test_durations(text: object, seconds: float) -> None:
 def test_bad_durations(text: object) -> None:
     with pytest.raises(ValueError):
         parse_duration(text)
+
+
+# Every field whose value is one of a fixed set, with a wrong value: (file, yaml, expected).
+CHOICE_FIELDS = [
+    (
+        "inventory.yaml",
+        "hosts:\n  a:\n    address: x\n    host_key_policy: maybe\n",
+        "hosts.a.host_key_policy: must be one of strict, accept-new (got 'maybe')",
+    ),
+    (
+        "inventory.yaml",
+        "defaults:\n  connection: telnet\nhosts:\n  a: {address: x}\n",
+        "defaults.connection: must be one of ssh, local (got 'telnet')",
+    ),
+    (
+        "playbooks/p.yaml",
+        "name: p\nhosts: a\nservices:\n  - {name: s, engine: tgi, model: m}\n",
+        "services[0].engine: `engine` must be one of sglang, vllm, stub, command (got 'tgi')",
+    ),
+    (
+        "playbooks/p.yaml",
+        "name: p\nhosts: a\nservices:\n  - {name: s, engine: stub, model: m, gpus: some}\n",
+        "services[0].gpus: must be one of auto or a list (got 'some')",
+    ),
+]
+
+
+@pytest.mark.parametrize(("file", "text", "expected"), CHOICE_FIELDS)
+def test_a_wrong_choice_names_the_value_it_got(
+    write_tree: WriteTree, file: str, text: str, expected: str
+) -> None:
+    root = write_tree({file: text})
+    load = load_inventory if file == "inventory.yaml" else load_playbook
+    got = problems(load, root / file)
+    assert any(p.endswith(expected) for p in got), got
+
+
+def test_every_choice_field_of_the_models_is_covered() -> None:
+    """A new Literal field gets a case above (the message format is the contract)."""
+    from dflashops.config.inventory import HostSettings, HostSpec
+    from dflashops.config.playbook import CommandService, Job, SglangService, VllmService
+
+    found = set()
+    for model in (HostSettings, HostSpec, SglangService, VllmService, CommandService, Job):
+        for name, info in model.model_fields.items():
+            if "Literal[" in repr(info.annotation):
+                found.add(name)
+    covered = {expected.split(":")[0].rsplit(".", 1)[-1] for _, _, expected in CHOICE_FIELDS}
+    assert found <= covered, f"choice fields without a case: {sorted(found - covered)}"

@@ -34,7 +34,7 @@ from dflashops.config.playbook import (
 from dflashops.config.yamlsource import parse_yaml
 from dflashops.errors import ConfigError, Problem
 from dflashops.plan import build_plan
-from dflashops.preflight import bash_syntax, engine_flags
+from dflashops.preflight.offline import bash_syntax, engine_flags
 from dflashops.render import render_plan, template_dirs
 
 MODELS = [

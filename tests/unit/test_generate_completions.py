@@ -1,4 +1,4 @@
-"""Tests for dflashops/payloads/generate_completions.py, the resumable completions generator.
+"""Tests for dflashops/builtins/generate_completions.py, the resumable completions generator.
 
 The pure parts (input parsing, shard selection, torn-line recovery, resume bookkeeping, server
 selection, the writer) are tested in-process; the rest runs the payload as a subprocess against
@@ -39,7 +39,7 @@ from _stubservers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dflashops.payloads import generate_completions as gc
+from dflashops.builtins import generate_completions as gc
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 PROGRESS_FIELDS = {

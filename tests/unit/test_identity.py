@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dflashops.agent.answers import UnitProbe
 from dflashops.config.load import load_inventory, load_playbook
 from dflashops.engines import identity
-from dflashops.hosts.unitctl import UnitProbe
 from dflashops.plan import build_plan
 from dflashops.render import Rendered, render_plan
 from tests.conftest import WriteTree
@@ -92,7 +92,7 @@ def test_vllm_reports_tp_dp_in_its_own_log(write_tree: WriteTree) -> None:
 
 
 def test_the_probe_reads_vllms_own_args_from_the_log(tmp_path: Path) -> None:
-    from dflashops.payloads.unitctl import read_server_args
+    from dflashops.agent.remote.logs import read_server_args
 
     log = tmp_path / "x.log"
     log.write_text(

@@ -1,4 +1,4 @@
-"""The stub engine (dflashops/payloads/stub_engine.py) run as a real subprocess on loopback."""
+"""The stub engine (dflashops/builtins/stub_engine.py) run as a real subprocess on loopback."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from types import ModuleType
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DATA_DIR = REPO_ROOT / "dflashops" / "data"
-STUB_PATH = REPO_ROOT / "dflashops" / "payloads" / "stub_engine.py"
+STUB_PATH = REPO_ROOT / "dflashops" / "builtins" / "stub_engine.py"
 HELP_FLAGS = frozenset({"-h", "--help"})  # argparse's own, absent from the source-derived lists
 _NUMBER = re.compile(r"^-\d+(\.\d*)?([eE][-+]?\d+)?$")
 
@@ -58,7 +58,7 @@ def unrecognized(argv: list[str], allowed: frozenset[str], negatable: bool = Fal
 
 
 def load_stub() -> ModuleType:
-    """dflashops/payloads/stub_engine.py, imported by path (not through the dflashops package)."""
+    """dflashops/builtins/stub_engine.py, imported by path (not through the dflashops package)."""
     name = "dflashops_stub_engine"
     if name in sys.modules:
         return sys.modules[name]

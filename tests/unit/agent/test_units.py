@@ -1,5 +1,6 @@
-"""Start, stop, probe and tail, for real: the unitctl payload on this machine (LocalConnection),
-real processes in tmp workdirs, the stub engine as the server, fake nvidia-smi for GPU memory.
+"""Start, stop, probe and tail, for real: the host agent on this machine (``Agent`` over a
+LocalConnection), real processes in tmp workdirs, the stub engine as the server, fake nvidia-smi
+for GPU memory.
 
 Every process a test starts is killed in a finalizer: unit groups by their recorded (pgid, start
 time), the test's own bystanders by Popen. Only loopback is used.
@@ -10,46 +11,62 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dflashops.errors import HostError
-from dflashops.hosts.local import LocalConnection
-from dflashops.hosts.unitctl import (
+from dflashops.agent import Agent, AgentError
+from dflashops.agent.answers import (
+    HostFacts,
     ProbeSpec,
     StartResult,
-    UnitctlError,
+    StopResult,
+    TailResult,
     UnitProbe,
-    payload_source,
-    probe_units,
-    start_units,
-    stop_units,
-    tail_log,
+)
+from dflashops.agent.bundle import bundle, command, digest
+from dflashops.errors import HostError
+from dflashops.hosts.local import LocalConnection
+from tests.procs import (
+    PGRP,
+    PPID,
+    SESSION,
+    START_TIME,
+    alive,
+    boot_id,
+    environ,
+    free_port,
+    group_members,
+    pgid_of,
+    start_time,
+    stat,
+    wait_for,
 )
 
-REPO = Path(__file__).resolve().parents[2]
-STUB = REPO / "dflashops" / "payloads" / "stub_engine.py"
+REPO = Path(__file__).resolve().parents[3]
+STUB = REPO / "dflashops" / "builtins" / "stub_engine.py"
 FAKE_BIN = REPO / "tests" / "fakes" / "bin"
 PYLIB = REPO / "tests" / "fakes" / "pylib"
 SYSTEM_PYTHON = "/usr/bin/python3"
-# The payload runs under the host's bare python; engines in launch scripts use it too.
+# The agent runs under the host's bare python; engines in launch scripts use it too.
 HOST_PYTHON = SYSTEM_PYTHON if os.path.exists(SYSTEM_PYTHON) else sys.executable
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+BOOT_ID = boot_id()
 HOST = "unit-host"
 BANNER = (
     "[dflashops] unit={name} fingerprint={fp} engine=stub tp={tp} dp=1 port={port} "
     "gpus=0,1 started=2025-01-01T00:00:00Z"
 )
 FP = "ab" * 32
+PRUNED_RE = r"units/\.pruned/{name}-\d{{8}}T\d{{6}}Z(-\d+)?"
 
 
 def _python39() -> str | None:
@@ -63,55 +80,13 @@ def _python39() -> str | None:
 PYTHON39 = _python39()
 
 
-# ------------------------------------------------------------------------------ /proc helpers
-
-
-def stat_fields(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw.rsplit(")", 1)[1].split()
-
-
-def alive(pid: int) -> bool:
-    fields = stat_fields(pid)
-    return fields is not None and fields[0] not in ("Z", "X")
-
-
-def start_time(pid: int) -> int:
-    fields = stat_fields(pid)
-    assert fields is not None
-    return int(fields[19])
-
-
 def group(pgid: int, since: int = 0) -> list[int]:
-    """Live members of process group ``pgid`` in session ``pgid`` started at or after ``since``."""
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        f = stat_fields(int(name))
-        if f and f[0] not in ("Z", "X") and int(f[2]) == int(f[3]) == pgid and int(f[19]) >= since:
-            out.append(int(name))
-    return sorted(out)
+    """Live members of a unit's process group (in its session too) started at or after ``since``."""
+    return group_members(pgid, since, session=True)
 
 
-def wait_for(predicate: Callable[[], Any], what: str, timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def cmdline(pid: int) -> list[bytes]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
 
 
 # ------------------------------------------------------------------------------ fixtures
@@ -122,6 +97,7 @@ class Host:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
+        self.where = str(workdir)  # the workdir as the agent is told it ("~/..." allowed)
         self.conn = LocalConnection(HOST)
         self.python = HOST_PYTHON
         self.groups: list[tuple[int, int]] = []  # (pgid, start_time) of every unit start
@@ -151,43 +127,49 @@ class Host:
 
     # -- actions
 
+    def agent(self, python: str | None = None) -> Agent:
+        return Agent(self.conn, python or self.python)
+
     def start(
         self, *names: str, keep_logs: int = 20, python: str | None = None
     ) -> dict[str, StartResult]:
-        got = start_units(
-            self.conn, python or self.python, str(self.workdir), [(n, keep_logs) for n in names]
-        )
+        got = self.agent(python).start(self.where, [(n, keep_logs) for n in names])
         for result in got.values():
             if result.ok:
                 assert result.pgid is not None and result.start_time is not None
                 self.groups.append((result.pgid, result.start_time))
         return got
 
-    def stop(self, *units: tuple[str, float], **kw: Any) -> Any:
-        return stop_units(
-            self.conn, kw.pop("python", self.python), str(self.workdir), list(units), **kw
-        )
+    def stop(
+        self, *units: tuple[str, float | None], python: str | None = None, **kw: Any
+    ) -> dict[str, StopResult]:
+        return self.agent(python).stop(self.where, list(units), **kw)
 
-    def probe(self, *specs: ProbeSpec, **kw: Any) -> dict[str, UnitProbe]:
-        return probe_units(
-            self.conn, kw.pop("python", self.python), str(self.workdir), list(specs), **kw
-        )
+    def probe(
+        self, *specs: ProbeSpec, python: str | None = None, **kw: Any
+    ) -> dict[str, UnitProbe]:
+        return self.agent(python).probe(self.where, list(specs), **kw)
 
-    def tail(self, unit: str, **kw: Any) -> Any:
-        return tail_log(self.conn, kw.pop("python", self.python), str(self.workdir), unit, **kw)
+    def tail(self, unit: str, python: str | None = None, **kw: Any) -> TailResult:
+        return self.agent(python).tail(self.where, unit, **kw)
+
+    def facts(self, python: str | None = None) -> HostFacts:
+        return self.agent(python).facts(self.where, timeout=30)
+
+    # -- looking
 
     def read(self, name: str, filename: str) -> Any:
         return json.loads((self.unit_dir(name) / filename).read_text())
 
     def wait_exit(self, name: str, timeout: float = 10.0) -> dict[str, Any]:
         path = self.unit_dir(name) / "exit"
-        wait_for(path.exists, f"{path}", timeout)
+        wait_for(f"{path}", path.exists, timeout)
         return dict(json.loads(path.read_text()))
 
     def wait_log(self, name: str, needle: str, timeout: float = 10.0) -> None:
         log = self.unit_dir(name) / "logs" / "current.log"
         wait_for(
-            lambda: log.exists() and needle in log.read_text(), f"{needle!r} in {log}", timeout
+            f"{needle!r} in {log}", lambda: log.exists() and needle in log.read_text(), timeout
         )
 
     def popen(self, argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
@@ -196,10 +178,31 @@ class Host:
         self.popens.append(proc)
         return proc
 
+    def leader_with_child(self) -> tuple[subprocess.Popen[bytes], int]:
+        """A session leader of our own with a sleeping child in its group; the leader exits
+        when its stdin is closed (the child stays). Both are killed by the finalizer."""
+        leader = self.popen(
+            [
+                HOST_PYTHON,
+                "-c",
+                "import subprocess, sys\n"
+                "child = subprocess.Popen(['sleep', '300'])\n"
+                "print(child.pid, flush=True)\n"
+                "sys.stdin.readline()\n",
+            ],
+            start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        assert leader.stdout is not None
+        child = int(leader.stdout.readline())
+        self.groups.append((leader.pid, start_time(leader.pid)))  # for the finalizer
+        return leader, child
+
     def cleanup(self) -> None:
         for pgid, since in self.groups:
-            fields = stat_fields(pgid)
-            if fields is not None and int(fields[19]) != since:
+            st = stat(pgid)
+            if st is not None and int(st[START_TIME]) != since:
                 continue  # the pid was reused: that group is not ours any more
             for pid in group(pgid, since):
                 with contextlib.suppress(ProcessLookupError):
@@ -208,6 +211,9 @@ class Host:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(10)
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
 
 
 @pytest.fixture
@@ -263,17 +269,27 @@ def test_start_returns_at_once_and_the_unit_is_detached(host: Host) -> None:
     pid = got.pid
     assert pid is not None and got.pgid == pid
 
-    # The payload and LocalConnection's bash (its own session) are gone; the supervisor lives on
+    # The agent and LocalConnection's bash (its own session) are gone; the supervisor lives on
     # as the leader of a session of its own, the engine as its child in the same group.
-    fields = stat_fields(pid)
-    assert fields is not None and fields[0] not in ("Z", "X")
-    assert int(fields[2]) == pid and int(fields[3]) == pid  # pgid, sid
+    st = stat(pid)
+    assert st is not None and alive(pid)
+    assert int(st[PGRP]) == pid and int(st[SESSION]) == pid
     host.wait_log("job", "sleeping")
     members = group(pid)
     assert len(members) == 2 and pid in members
     engine = next(p for p in members if p != pid)
-    assert int(stat_fields(engine)[1]) == pid  # type: ignore[index]
-    assert Path(f"/proc/{engine}/cmdline").read_bytes().split(b"\0")[0] == HOST_PYTHON.encode()
+    assert int((stat(engine) or [])[PPID]) == pid
+    assert cmdline(engine)[0] == HOST_PYTHON.encode()
+
+    # The supervisor runs from the content-addressed copy of the agent that start left behind.
+    copy = host.workdir / "agent" / f"{digest()[:16]}.py"
+    assert copy.read_bytes() == bundle()
+    assert cmdline(pid)[:4] == [
+        HOST_PYTHON.encode(),
+        str(copy).encode(),
+        b"supervise",
+        str(host.unit_dir("job")).encode(),
+    ]
 
     record = host.read("job", "pid")
     assert set(record) == {"pid", "pgid", "start_time", "boot_id", "started_at", "log", "run_id"}
@@ -285,10 +301,8 @@ def test_start_returns_at_once_and_the_unit_is_detached(host: Host) -> None:
     assert record["log"] == got.log and record["log"].startswith("logs/")
     assert (host.unit_dir("job") / record["log"]).is_file()
     # every process of this start carries its run id (membership proof once the leader is gone)
-    assert (
-        f"DFLASHOPS_RUN_ID={record['run_id']}".encode()
-        in Path(f"/proc/{engine}/environ").read_bytes()
-    )
+    assert environ(engine).get("DFLASHOPS_RUN_ID") == record["run_id"]
+    assert re.fullmatch(r"[0-9a-f]{16}", record["run_id"])
 
 
 def test_second_start_is_refused_while_running(host: Host) -> None:
@@ -300,7 +314,8 @@ def test_second_start_is_refused_while_running(host: Host) -> None:
     assert not second.ok and second.pid == first.pid
     assert second.error == f"already running (pid {first.pid})"
     assert sorted((host.unit_dir("job") / "logs").iterdir()) == logs_before  # no new log either
-    assert group(first.pid or 0) and len(group(first.pid or 0)) == 2
+    host.wait_log("job", "sleeping")
+    assert len(group(first.pid or 0)) == 2
 
 
 def test_concurrent_starts_make_one_copy(host: Host) -> None:
@@ -373,8 +388,9 @@ def test_stop_terminates_the_stub(host: Host, no_gpu_tool: None) -> None:
     assert stopped.ok and stopped.error is None, stopped
     assert stopped.was_running and not stopped.killed
     assert stopped.pids == members
-    assert stopped.stale_pid is None
+    assert stopped.stale_pid is None and stopped.unproven_pids == []
     assert stopped.gpu_freed is None  # no nvidia-smi here
+    assert stopped.pruned_to is None
     assert stopped.seconds < 5
     assert not any(alive(p) for p in members)
     exit_record = host.read("sglang-0", "exit")
@@ -409,6 +425,74 @@ def test_kill_after_grace_for_all_units_together(host: Host) -> None:
         assert host.read(name, "stopped")["killed"] is True
 
 
+def test_stop_grace_none_is_the_one_recorded_at_deploy(host: Host) -> None:
+    """grace None: the unit's unit.json says how long it gets (an orphan stops as meant to)."""
+    d = host.python_unit("recorded", IGNORE_TERM)
+    (d / "unit.json").write_text(json.dumps({"unit": "recorded", "stop_grace": 0.5}))
+    d = host.python_unit("overridden", IGNORE_TERM)
+    (d / "unit.json").write_text(json.dumps({"unit": "overridden", "stop_grace": 600}))
+    host.python_unit("polite", SLEEPER)  # no unit.json: the default grace; TERM ends it at once
+    host.start("recorded", "overridden", "polite")
+    host.wait_log("recorded", "ignoring TERM")
+    host.wait_log("overridden", "ignoring TERM")
+    host.wait_log("polite", "sleeping")
+    t0 = time.monotonic()
+    got = host.stop(("recorded", None), ("overridden", 0.2), ("polite", None), kill_wait=5.0)
+    assert time.monotonic() - t0 < 3.0  # neither 600 s nor the default 30 s
+    recorded = got["recorded"]
+    assert recorded.ok and recorded.was_running and recorded.killed, recorded
+    assert 0.5 <= recorded.seconds < 1.3
+    overridden = got["overridden"]
+    assert overridden.ok and overridden.killed and 0.2 <= overridden.seconds < 1.0, overridden
+    polite = got["polite"]
+    assert polite.ok and polite.was_running and not polite.killed, polite
+    assert polite.seconds < 1.0
+
+
+def test_prune_moves_cleanly_stopped_units_aside(host: Host) -> None:
+    host.python_unit("job", SLEEPER)
+    host.write_unit("idle", "exit 0")  # deployed, never started
+    wedged = host.write_unit("wedged", "exec sleep 300")
+    (wedged / "pid").write_text("{half a rec")  # cannot be stopped cleanly
+    assert host.start("job")["job"].ok
+    host.wait_log("job", "sleeping")
+
+    got = host.stop(("job", 5.0), ("idle", 1.0), ("wedged", 1.0), ("absent", 1.0), prune=True)
+    job = got["job"]
+    assert job.ok and job.was_running and job.pruned_to is not None, job
+    assert re.fullmatch(PRUNED_RE.format(name="job"), job.pruned_to)
+    moved = host.workdir / job.pruned_to
+    assert not host.unit_dir("job").exists()
+    # the whole folder, logs and records included: nothing of it is deleted
+    assert (moved / "launch.sh").is_file() and not (moved / "pid").exists()
+    assert json.loads((moved / "stopped").read_text())["pids"] == job.pids
+    assert (moved / "exit").is_file()
+    assert "sleeping" in (moved / "logs" / "current.log").read_text()
+
+    idle = got["idle"]
+    assert idle.ok and not idle.was_running and idle.pruned_to is not None
+    assert re.fullmatch(PRUNED_RE.format(name="idle"), idle.pruned_to)
+    assert (host.workdir / idle.pruned_to / "launch.sh").is_file()
+
+    bad = got["wedged"]
+    assert not bad.ok and bad.pruned_to is None and "nothing signalled" in (bad.error or "")
+    assert (wedged / "launch.sh").is_file() and (wedged / "pid.unusable").is_file()  # stays
+
+    absent = got["absent"]
+    assert absent.ok and absent.pruned_to is None
+    assert not host.unit_dir("absent").exists()
+
+    assert sorted(host.facts().units) == ["wedged"]  # pruned units are not units any more
+
+    # the same unit deployed, started and pruned again: a second folder beside the first
+    host.python_unit("job", SLEEPER)
+    assert host.start("job")["job"].ok
+    again = host.stop(("job", 5.0), prune=True)["job"]
+    assert again.ok and again.pruned_to is not None and again.pruned_to != job.pruned_to
+    assert re.fullmatch(PRUNED_RE.format(name="job"), again.pruned_to)
+    assert moved.is_dir() and (host.workdir / again.pruned_to).is_dir()
+
+
 def test_stale_pid_is_never_signalled(host: Host) -> None:
     """A pid record whose pid is now another process (ours to check, not to kill)."""
     bystander = host.popen(["sleep", "300"], start_new_session=True)
@@ -440,6 +524,50 @@ def test_stale_pid_is_never_signalled(host: Host) -> None:
     assert bystander.poll() is None
 
 
+def test_record_whose_pgid_is_not_its_pid_is_never_ours(host: Host) -> None:
+    """start records pid == pgid. A record naming a live process (right start time, this boot)
+    of some other group was not written by start: nothing treats it as the unit. (The old
+    facts payload called it ours and running.)"""
+    leader, child = host.leader_with_child()
+    assert pgid_of(child) == leader.pid != child
+    d = host.write_unit("job", "exec sleep 300")
+    record = {
+        "pid": child,
+        "pgid": leader.pid,
+        "start_time": start_time(child),
+        "boot_id": BOOT_ID,
+        "started_at": "2025-01-01T00:00:00Z",
+        "log": "logs/20250101T000000Z.log",
+        "run_id": "0123456789abcdef",
+    }
+    (d / "pid").write_text(json.dumps(record))
+
+    unit = host.facts().unit("job")
+    assert unit is not None
+    assert not unit.running and not unit.process.ours and not unit.process.alive
+    reason = unit.process.reason or ""
+    assert "pid record unusable" in reason and "not written by dflashops start" in reason
+    assert f"pgid {leader.pid} is not the pid {child}" in reason
+    assert unit.pid is not None and unit.pid.pid == child  # the record itself is still shown
+    assert unit.group_pids == [] and unit.unproven_pids == []
+
+    probe = host.probe(ProbeSpec(name="job"))["job"]
+    assert not probe.ours and not probe.running
+    assert "not written by dflashops start" in (probe.reason or "")
+
+    refused = host.start("job")["job"]
+    assert not refused.ok and "pid record unusable" in (refused.error or "")
+    assert "run stop for this unit first" in (refused.error or "")
+
+    got = host.stop(("job", 0.2), kill_wait=0.5)["job"]
+    assert not got.ok and not got.was_running and got.pids == [] and not got.killed
+    assert "nothing signalled" in (got.error or "")
+    time.sleep(0.2)
+    assert alive(child) and alive(leader.pid) and leader.poll() is None
+    assert group(leader.pid) == sorted([leader.pid, child])
+    assert json.loads((d / "pid.unusable").read_text()) == record  # kept as evidence
+
+
 def test_foreign_python_is_never_touched(host: Host) -> None:
     """Unlike `pkill -f python`: a python we did not start survives every stop."""
     foreign = host.popen([HOST_PYTHON, "-c", "import time; time.sleep(300)"])
@@ -467,11 +595,14 @@ def test_orphans_of_a_killed_supervisor_are_found_and_stopped(host: Host) -> Non
     host.wait_log("job", "sleeping")
     engine = next(p for p in group(got.pid) if p != got.pid)
     os.kill(got.pid, signal.SIGKILL)  # the leader dies, the engine stays in its group
-    wait_for(lambda: not alive(got.pid or 0), "the supervisor to die")
-    assert alive(engine) and int(stat_fields(engine)[2]) == got.pid  # type: ignore[index]
+    wait_for("the supervisor to die", lambda: not alive(got.pid or 0), 10)
+    assert alive(engine) and pgid_of(engine) == got.pid
 
     probe = host.probe(ProbeSpec(name="job"))["job"]
     assert not probe.alive and not probe.ours
+    unit = host.facts().unit("job")
+    assert unit is not None and not unit.running
+    assert unit.group_pids == [engine] and unit.unproven_pids == []  # its run id proves it
     refused = host.start("job")["job"]
     assert not refused.ok and f"pids {engine}" in (refused.error or "")
     assert "stop the unit first" in (refused.error or "")
@@ -485,22 +616,8 @@ def test_orphans_of_a_killed_supervisor_are_found_and_stopped(host: Host) -> Non
 def test_leaderless_group_without_run_id_is_not_signalled(host: Host) -> None:
     """A group whose leader is gone and whose members lack the start's run id may be a stranger
     (the pid reused by a daemon's double fork): it is never signalled, and loudly reported."""
-    leader = host.popen(
-        [
-            HOST_PYTHON,
-            "-c",
-            "import subprocess, sys\n"
-            "child = subprocess.Popen(['sleep', '300'])\n"
-            "print(child.pid, flush=True)\n"
-            "sys.stdin.readline()\n",
-        ],
-        start_new_session=True,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    assert leader.stdout is not None and leader.stdin is not None
-    child = int(leader.stdout.readline())
-    host.groups.append((leader.pid, start_time(leader.pid)))  # for the finalizer
+    leader, child = host.leader_with_child()
+    assert leader.stdin is not None
     d = host.write_unit("job", "exec sleep 300")
     record = {
         "pid": leader.pid,
@@ -516,9 +633,14 @@ def test_leaderless_group_without_run_id_is_not_signalled(host: Host) -> None:
     leader.wait(10)  # the leader is gone; its child stays in the group
     assert alive(child) and group(leader.pid) == [child]
 
-    got = host.stop(("job", 0.2), kill_wait=0.5)["job"]
+    unit = host.facts().unit("job")
+    assert unit is not None and not unit.running
+    assert unit.group_pids == [] and unit.unproven_pids == [child]
+
+    got = host.stop(("job", 0.2), kill_wait=0.5, prune=True)["job"]
     assert not got.ok and got.unproven_pids == [child] and got.pids == []
     assert "not provably ours" in (got.error or "")
+    assert got.pruned_to is None and d.is_dir()  # not stopped cleanly: not moved aside
     refused = host.start("job")["job"]
     assert not refused.ok and "not provably ours" in (refused.error or "")
     time.sleep(0.1)
@@ -599,7 +721,7 @@ def test_probe_health_identity_banner(host: Host) -> None:
         seen.append(got.health.status)
         return got if got.health.status == 200 else None
 
-    got = wait_for(ready, "the stub to be ready", timeout=15)
+    got = wait_for("the stub to be ready", ready, 15)
     assert 503 in seen  # it warmed up under our eyes
     assert got.identity is not None and got.identity.path == "/server_info"
     assert got.identity.status == 200 and got.identity.error is None
@@ -762,23 +884,60 @@ def test_whole_cycle_on_python39(host: Host) -> None:
     assert PYTHON39 is not None
     port = free_port()
     host.stub_unit("sglang-0", port, startup=0.1)
+    assert host.facts(python=PYTHON39).python.startswith("3.9.")
     assert host.start("sglang-0", python=PYTHON39)["sglang-0"].ok
     record = host.read("sglang-0", "pid")
-    cmdline = Path(f"/proc/{record['pid']}/cmdline").read_bytes().split(b"\0")
-    assert cmdline[0] == PYTHON39.encode()  # the supervisor runs under the payload's python
+    assert cmdline(record["pid"])[0] == PYTHON39.encode()  # the supervisor runs under it too
     spec = ProbeSpec(name="sglang-0", port=port, identity_paths=["/get_server_info"])
     got = wait_for(
-        lambda: (p := host.probe(spec, python=PYTHON39)["sglang-0"]).healthy and p,
         "ready",
+        lambda: (p := host.probe(spec, python=PYTHON39)["sglang-0"]).healthy and p,
     )
     assert got.identity is not None and got.identity.body["port"] == port
     assert host.tail("sglang-0", lines=1, python=PYTHON39).log == record["log"]
     assert host.stop(("sglang-0", 5.0), python=PYTHON39)["sglang-0"].ok
 
 
+@pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason="no /usr/bin/python3")
+def test_python_under_home(
+    host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_gpu_tool: None
+) -> None:
+    """``python: ~/venv/bin/python3`` (and a ``~/`` workdir) resolve on the host, in its HOME."""
+    home = tmp_path  # the workdir is ~/wd
+    venv_python = home / "venv" / "bin" / "python3"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.symlink_to(SYSTEM_PYTHON)
+    monkeypatch.setenv("HOME", str(home))
+    python = "~/venv/bin/python3"
+    host.where = "~/wd"
+    port = free_port()
+    host.stub_unit("sglang-0", port, startup=0.1)
+
+    facts = host.facts(python=python)
+    assert facts.python_executable == str(venv_python)
+    assert facts.workdir == str(host.workdir) and facts.unit("sglang-0") is not None
+
+    started = host.start("sglang-0", python=python)["sglang-0"]
+    assert started.ok and started.pid, started
+    assert cmdline(started.pid)[0] == str(venv_python).encode()  # the supervisor's python
+    assert (host.workdir / "agent" / f"{digest()[:16]}.py").is_file()
+
+    spec = ProbeSpec(name="sglang-0", port=port, identity_paths=["/server_info"])
+    got = wait_for(
+        "ready", lambda: (p := host.probe(spec, python=python)["sglang-0"]).healthy and p
+    )
+    assert got.running and got.identity is not None and got.identity.body["port"] == port
+    assert host.tail("sglang-0", lines=5, python=python).log == started.log
+
+    members = group(started.pid)
+    stopped = host.stop(("sglang-0", 5.0), python=python)["sglang-0"]
+    assert stopped.ok and stopped.was_running and stopped.pids == members, stopped
+    assert not any(alive(p) for p in members)
+
+
 def test_python_not_found(host: Host) -> None:
-    with pytest.raises(UnitctlError) as info:
-        start_units(host.conn, "/nonexistent/python3", str(host.workdir), [("a", 3)])
+    with pytest.raises(AgentError) as info:
+        host.agent("/nonexistent/python3").start(host.where, [("a", 3)])
     assert str(info.value).startswith(f"[{HOST}] ")
     assert "'/nonexistent/python3' not found on the host" in str(info.value)
     assert isinstance(info.value, HostError)
@@ -793,37 +952,48 @@ def test_python_not_found(host: Host) -> None:
     ],
 )
 def test_unusable_answers(host: Host, python: str, match: str) -> None:
-    with pytest.raises(UnitctlError, match=match):
-        probe_units(host.conn, python, str(host.workdir), [ProbeSpec(name="a")])
+    with pytest.raises(AgentError, match=match):
+        host.agent(python).probe(host.where, [ProbeSpec(name="a")])
 
 
 def test_answers_that_miss_units_or_mismatch(host: Host, tmp_path: Path) -> None:
-    def fake(name: str, answer: dict[str, Any]) -> str:
+    def fake(name: str, answer: dict[str, Any]) -> Agent:
         path = tmp_path / name
         path.write_text(f"#!/bin/sh\ncat >/dev/null\necho {shlex.quote(json.dumps(answer))}\n")
         path.chmod(0o755)
-        return str(path)
+        return host.agent(str(path))
 
-    empty = fake("empty", {"schema": 1, "action": "stop", "units": {}})
-    with pytest.raises(UnitctlError, match="without unit"):
-        stop_units(host.conn, empty, str(host.workdir), [("a", 1.0)])
-    other = fake("other", {"schema": 1, "action": "probe", "units": {}})
-    with pytest.raises(UnitctlError, match="versions do not match"):
-        stop_units(host.conn, other, str(host.workdir), [("a", 1.0)])
-    bad = fake("bad", {"schema": 1, "action": "start", "units": {"a": {"name": "a", "ok": "yes"}}})
-    with pytest.raises(UnitctlError, match="does not validate"):
-        start_units(host.conn, bad, str(host.workdir), [("a", 3)])
+    empty = fake("empty", {"schema": 2, "action": "stop", "units": {}})
+    with pytest.raises(AgentError, match="without unit"):
+        empty.stop(host.where, [("a", 1.0)])
+    nounits = fake("nounits", {"schema": 2, "action": "stop", "units": []})
+    with pytest.raises(AgentError, match="has no units"):
+        nounits.stop(host.where, [("a", 1.0)])
+    other = fake("other", {"schema": 2, "action": "probe", "units": {}})
+    with pytest.raises(AgentError, match="versions do not match"):
+        other.stop(host.where, [("a", 1.0)])
+    old = fake("old", {"schema": 1, "action": "stop", "units": {}})
+    with pytest.raises(AgentError, match="schema 1"):
+        old.stop(host.where, [("a", 1.0)])
+    bad = fake("bad", {"schema": 2, "action": "start", "units": {"a": {"name": "a", "ok": "yes"}}})
+    with pytest.raises(AgentError, match="does not validate"):
+        bad.start(host.where, [("a", 3)])
 
 
-def test_bad_request_is_refused_by_the_payload(host: Host) -> None:
-    with pytest.raises(UnitctlError, match="bad request") as info:
-        start_units(host.conn, host.python, str(host.workdir), [("../escape", 3)])
-    assert "exit code 2" in str(info.value)
-    result = host.conn.run([HOST_PYTHON, "-", "{}"], input=payload_source(), check=False)
+def test_bad_request_is_refused_by_the_agent(host: Host) -> None:
+    with pytest.raises(AgentError, match="refused the request") as info:
+        host.agent().start(host.where, [("../escape", 3)])
+    assert "bad request" in str(info.value)
+    assert "units[0].name must be a unit name" in str(info.value)
+    assert not (host.workdir / "agent").exists()  # refused before anything was done
+    result = host.conn.run(command(HOST_PYTHON), input=bundle() + b"{}\n", check=False)
     assert result.exit_code == 2 and result.out == ""
+    assert "dflashops agent: bad request: action must be one of" in result.err
 
 
 def test_empty_requests_need_no_round_trip(host: Host) -> None:
-    assert start_units(host.conn, "/nonexistent", str(host.workdir), []) == {}
-    assert stop_units(host.conn, "/nonexistent", str(host.workdir), []) == {}
-    assert probe_units(host.conn, "/nonexistent", str(host.workdir), []) == {}
+    agent = host.agent("/nonexistent")
+    assert agent.start(host.where, []) == {}
+    assert agent.stop(host.where, []) == {}
+    assert agent.probe(host.where, []) == {}
+    assert host.conn.commands == 0

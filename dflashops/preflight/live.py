@@ -1,19 +1,20 @@
 """Live pre-flight: what only the hosts can tell, one facts round trip per host.
 
 Reachable with the right key; at least the inventory's GPU count; free disk; a python that can
-run the payloads; the engines the playbooks use import on the host; model paths exist; every
+run the agent; the engines the playbooks use import on the host; model paths exist; every
 port a unit will listen on is free or held by that very unit.
 """
 
 from __future__ import annotations
 
+from dflashops.agent import Agent
+from dflashops.agent.answers import HostFacts
 from dflashops.config.inventory import Host
 from dflashops.config.playbook import ModelService, VllmService
 from dflashops.engines.base import HOST_PREFIX
 from dflashops.hosts import connect
-from dflashops.hosts.facts import HostFacts, gather_facts
 from dflashops.plan import HostPlan, Plan, Unit
-from dflashops.preflight import Check, Report
+from dflashops.preflight.offline import Check, Report
 from dflashops.run import on_hosts
 
 ENGINE_MODULES = {"sglang": "sglang", "vllm": "vllm"}
@@ -49,8 +50,8 @@ def gather(host_plan: HostPlan) -> HostFacts:
     )
     conn = connect(host)
     try:
-        return gather_facts(
-            conn, host.python, host.workdir, imports=imports, paths=host_paths(host_plan.units)
+        return Agent(conn, host.python).facts(
+            host.workdir, imports=imports, paths=host_paths(host_plan.units)
         )
     finally:
         conn.close()
@@ -159,7 +160,7 @@ def _python(host: Host, facts: HostFacts) -> Check:
             "live-python",
             host.name,
             False,
-            f"[{host.name}] {host.python} is Python {facts.python}; payloads need 3.9+",
+            f"[{host.name}] {host.python} is Python {facts.python}; the agent needs 3.9+",
         )
     return Check("live-python", host.name, True, facts.python)
 

@@ -1,28 +1,22 @@
-"""The commands, independent of their front end: the `dflashops` console script (cli.py) and the
-invoke collection (tasks.py) both call these with the same options."""
+"""preflight, render and schema: the commands that read the playbooks and touch no host
+(``preflight --live`` adds one facts call per host)."""
 
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 
-from dflashops.config.inventory import Host, InventoryFile
-from dflashops.config.load import load_inventory
+from dflashops.commands.table import DEFAULT_FORKS
+from dflashops.config.inventory import InventoryFile
 from dflashops.config.playbook import PlaybookFile
-from dflashops.errors import DflashopsError
-from dflashops.hosts.hostkeys import fingerprint, lookup, parse_key_line, record
-from dflashops.hosts.ssh import SshConnection, user_known_hosts
-from dflashops.live import run_live
 from dflashops.output import escape
 from dflashops.plan import build_plan, topo_order
 from dflashops.preflight import Report, run_preflight, write_outputs
+from dflashops.preflight.live import run_live
 from dflashops.project import find_inventory, select, split_names
 from dflashops.render import Rendered, render_plan, template_dirs
-from dflashops.run import DEFAULT_FORKS
 
 
 def preflight(
@@ -121,80 +115,3 @@ def schema(out: Console, *, which: str = "all") -> int:
         json.dumps(body, indent=2), highlight=False
     )
     return 0
-
-
-def trust(
-    out: Console,
-    *,
-    inventory: str | None = None,
-    hosts: list[str] | str | None = None,
-    yes: bool = False,
-    confirm: Callable[[str], bool] | None = None,
-) -> int:
-    """Fetch each host's SSH key, show its fingerprint, and record it in dflashops' known_hosts
-    after confirmation (a terminal prompt, or --yes for scripts)."""
-    inv = load_inventory(find_inventory(inventory))
-    names = split_names(hosts)
-    if not names:
-        raise DflashopsError("trust needs --host NAMES: say which hosts' keys to record")
-    try:
-        targets = inv.expand(names)
-    except KeyError as exc:
-        raise DflashopsError(f"--host {exc.args[0]!r} is not in {inv.path}") from None
-    failed = 0
-    for name in targets:
-        host = inv.hosts[name]
-        if host.is_local:
-            out.print(f"[{name}] local host: no SSH key to trust")
-            continue
-        try:
-            failed += not _trust_one(out, host, yes, confirm)
-        except DflashopsError as exc:
-            out.print(f"[red]failed:[/] {escape(str(exc))}")
-            failed += 1
-    return 1 if failed else 0
-
-
-def _trust_one(out: Console, host: Host, yes: bool, confirm: Callable[[str], bool] | None) -> bool:
-    conn = SshConnection(host)
-    key = conn.host_key()
-    name = conn.key_name()
-    shown = f"{key.get_name()} {fingerprint(key)}"
-    if host.host_key:
-        pinned = parse_key_line(host.host_key)
-        state = "matches" if pinned == key else "does NOT match"
-        out.print(
-            f"[{host.name}] {name} presents {shown}; the inventory's host_key pin {state} it."
-        )
-        if pinned != key:
-            out.print(
-                f"  the pin wins over known_hosts: update `host_key` for {host.name} to: {key.get_name()} {key.get_base64()}"
-            )
-            return False
-        return True
-    previous = lookup(name, None, user_known_hosts(conn.fabric))
-    same = [k for k in previous if k.key == key]
-    if same:
-        out.print(f"[{host.name}] {name} presents {shown}: already trusted ({same[0].source})")
-        return True
-    for old in previous:
-        out.print(
-            f"[{host.name}] {name} had {old.key.get_name()} {fingerprint(old.key)} in {old.source}"
-        )
-    out.print(f"[{host.name}] {name} presents {shown}")
-    if not yes:
-        ask = confirm or _terminal_confirm
-        if not ask(f"Trust this key for {host.name}? [y/N] "):
-            out.print(f"[{host.name}] not recorded")
-            return False
-    path = record(name, key)
-    out.print(f"[{host.name}] recorded {shown} for {name} in {path}")
-    return True
-
-
-def _terminal_confirm(question: str) -> bool:
-    if not sys.stdin.isatty():
-        raise DflashopsError(
-            "not on a terminal, so there is nobody to confirm: pass --yes to record the key"
-        )
-    return input(question).strip().lower() in ("y", "yes")

@@ -1,0 +1,275 @@
+"""``facts``: everything dflashops needs to know about a host, in one round trip.
+
+Request: ``workdir``, ``imports`` (modules to try importing with this python), ``paths``
+(checked for existence), ``import_timeout`` (s, 120), ``nvidia_smi_timeout`` (s, 30).
+
+Answer: hostname, time, python, python_executable, boot_id, clock_ticks, uptime_s, workdir,
+workdir_exists, disk, gpus (see gpu.gather), listening [{address, port, inode, pids}], payloads
+{"<hash16>/<name>": sha256}, units {name: {name, script_sha256, unit, pid, exit, stopped,
+progress (each with a ``*_error`` when its file is broken), process (ownership.view),
+group_pids, unproven_pids, logs}}, imports {module: {ok, version, error, seconds}}, paths
+{path: {exists, is_dir}}, errors {part: message}, elapsed_s. Each part reports its own failure;
+one odd unit never hides the others. ``secrets.env`` files are never opened.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from typing import Any, Callable
+
+from . import gpu, logs, ownership, procfs
+from .common import (
+    TMP_MARK,
+    BadRequest,
+    Json,
+    describe,
+    first_line,
+    number,
+    read_json_object,
+    sha256_file,
+)
+
+PROGRESS_MAX = 64 * 1024
+VERSION_MARK = "__dflashops_version__="
+IMPORT_CODE = (
+    "import sys\n"
+    "__import__(sys.argv[1])\n"
+    "m = sys.modules[sys.argv[1]]\n"
+    "v = getattr(m, '__version__', '')\n"
+    "print('\\n" + VERSION_MARK + "' + (v if isinstance(v, str) else str(v)))\n"
+)
+RECORDS = (("unit", "unit.json"), ("pid", "pid"), ("exit", "exit"), ("stopped", "stopped"))
+
+
+def check(request: Json) -> None:
+    for key in ("imports", "paths"):
+        value = request.setdefault(key, [])
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise BadRequest(f"{key} must be a list of strings")
+    for key, default in (("import_timeout", 120), ("nvidia_smi_timeout", 30)):
+        request[key] = number(request.get(key, default), key, 0.1)
+
+
+def section(errors: Json, name: str, default: Any, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as exc:
+        errors[name] = describe(exc)
+        return default
+
+
+# ----------------------------------------------------------------------------------- imports
+
+
+def check_import(module: str, timeout: float) -> Json:
+    import subprocess
+
+    start = time.monotonic()
+    out: Json = {"ok": False, "version": None, "error": None, "seconds": 0.0}
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", IMPORT_CODE, module],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # so a timeout can take the whole group down
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, 9)
+                proc.communicate(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                pass  # a grandchild may still hold the pipes: give up on its output
+            out["error"] = f"import {module} timed out after {timeout:g}s"
+            return out
+    except OSError as exc:
+        out["error"] = describe(exc)
+        return out
+    finally:
+        out["seconds"] = round(time.monotonic() - start, 3)
+    text = stdout.decode("utf-8", "replace")
+    if proc.returncode == 0 and VERSION_MARK in text:
+        out["ok"] = True
+        out["version"] = text.rsplit(VERSION_MARK, 1)[1].strip() or None
+    else:
+        lines = stderr.decode("utf-8", "replace").strip().splitlines()[-5:]
+        out["error"] = "\n".join(lines) or f"exited with {proc.returncode}"
+    return out
+
+
+def gather_imports(modules: list[str], timeout: float) -> dict[str, Json]:
+    import threading
+
+    results: dict[str, Json] = {}
+
+    def one(name: str) -> None:
+        try:
+            results[name] = check_import(name, timeout)
+        except Exception as exc:
+            results[name] = {"ok": False, "version": None, "error": describe(exc), "seconds": 0.0}
+
+    threads = [threading.Thread(target=one, args=(m,), daemon=True) for m in modules]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {m: results[m] for m in modules}
+
+
+# ------------------------------------------------------------------------------------- units
+
+
+def read_unit(name: str, unit_dir: str) -> Json:
+    unit: Json = {"name": name}
+    try:
+        unit["script_sha256"] = sha256_file(os.path.join(unit_dir, "launch.sh"))
+    except FileNotFoundError:
+        unit["script_sha256"] = None
+    except OSError as exc:
+        unit["script_sha256"] = None
+        unit["script_error"] = describe(exc)
+    for key, filename in RECORDS:
+        try:
+            unit[key] = read_json_object(os.path.join(unit_dir, filename))
+        except (OSError, ValueError) as exc:
+            unit[key] = None
+            unit[key + "_error"] = f"{filename}: {exc}"
+    try:
+        unit["progress"] = read_json_object(os.path.join(unit_dir, "progress.json"), PROGRESS_MAX)
+    except (OSError, ValueError) as exc:
+        unit["progress"] = None
+        unit["progress_error"] = f"progress.json: {exc}"
+    unit["logs"] = logs.summary(unit_dir)
+    return unit
+
+
+def read_units(workdir: str, boot: str | None, errors: Json) -> dict[str, Json]:
+    try:
+        entries = sorted(os.scandir(os.path.join(workdir, "units")), key=lambda e: e.name)
+    except FileNotFoundError:
+        return {}
+    units: dict[str, Json] = {}
+    records: dict[str, tuple[Any, Any]] = {}
+    for entry in entries:
+        if entry.name.startswith(".") or not entry.is_dir():
+            continue  # .pruned/ and the like
+        try:
+            units[entry.name] = read_unit(entry.name, entry.path)
+            records[entry.name] = ownership.load_record(entry.path)
+        except Exception as exc:  # one odd unit must not hide the others
+            errors[f"units/{entry.name}"] = describe(exc)
+    groups = ownership.group_scan([r for r, _ in records.values() if r is not None])
+    for name, (rec, problem) in records.items():
+        view = ownership.view(rec, problem, boot, groups)
+        units[name]["group_pids"] = view.pop("members")
+        units[name]["unproven_pids"] = view.pop("unproven")
+        units[name]["process"] = view
+    return units
+
+
+# ------------------------------------------------------------------------- payloads, disk, paths
+
+
+def read_payloads(workdir: str) -> dict[str, str]:
+    root = os.path.join(workdir, "payloads")
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for fn in sorted(filenames):
+            path = os.path.join(dirpath, fn)
+            if TMP_MARK in fn or not os.path.isfile(path):
+                continue  # an interrupted upload's leftover is never a shipped file
+            try:
+                out[os.path.relpath(path, root)] = sha256_file(path)
+            except OSError:
+                continue
+    return out
+
+
+def disk_at(path: str) -> Json:
+    """Free and total bytes of the filesystem that holds ``path`` (or its nearest ancestor)."""
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    st = os.statvfs(path)
+    return {
+        "path": path,
+        "free_bytes": st.f_bavail * st.f_frsize,
+        "total_bytes": st.f_blocks * st.f_frsize,
+    }
+
+
+def path_checks(paths: list[str]) -> dict[str, Json]:
+    out: dict[str, Json] = {}
+    for p in paths:
+        full = os.path.expanduser(p)
+        out[p] = {"exists": os.path.exists(full), "is_dir": os.path.isdir(full)}
+    return out
+
+
+# -------------------------------------------------------------------------------------------
+
+
+def run(request: Json) -> Json:
+    started = time.monotonic()
+    errors: Json = {}
+    workdir = request["workdir"]
+    imports = list(dict.fromkeys(request["imports"]))
+    import_timeout, smi_timeout = request["import_timeout"], request["nvidia_smi_timeout"]
+
+    # The slow parts (nvidia-smi, imports) run in threads while this one reads /proc and files.
+    import threading
+
+    slow: Json = {"gpus": gpu.empty("nvidia-smi not found"), "imports": {}}
+
+    def gpus_job() -> None:
+        slow["gpus"] = section(errors, "gpus", gpu.empty(None), lambda: gpu.gather(smi_timeout))
+
+    def imports_job() -> None:
+        slow["imports"] = section(
+            errors, "imports", {}, lambda: gather_imports(imports, import_timeout)
+        )
+
+    threads = [threading.Thread(target=gpus_job, daemon=True)]
+    if imports:
+        threads.append(threading.Thread(target=imports_job, daemon=True))
+    for t in threads:
+        t.start()
+
+    boot = procfs.boot_id()
+    uptime = first_line("/proc/uptime")
+    facts: Json = {
+        "hostname": socket.gethostname(),
+        "time": time.time(),
+        "python": ".".join(str(x) for x in sys.version_info[:3]),
+        "python_executable": sys.executable,
+        "boot_id": boot,
+        "clock_ticks": section(errors, "clock_ticks", None, lambda: os.sysconf("SC_CLK_TCK")),
+        "uptime_s": float(uptime.split()[0]) if uptime else None,
+        "workdir": workdir,
+        "workdir_exists": os.path.isdir(workdir),
+    }
+    facts["disk"] = section(errors, "disk", None, lambda: disk_at(workdir))
+    facts["units"] = section(errors, "units", {}, lambda: read_units(workdir, boot, errors))
+    listening = section(errors, "listening", [], procfs.listeners)
+    inodes = {entry["inode"] for entry in listening if entry["inode"]}
+    _, holders = section(errors, "proc", ({}, {}), lambda: procfs.scan(set(), inodes))
+    for entry in listening:
+        entry["pids"] = sorted(holders.get(entry["inode"], []))
+    facts["listening"] = listening
+    facts["payloads"] = section(errors, "payloads", {}, lambda: read_payloads(workdir))
+    facts["paths"] = section(errors, "paths", {}, lambda: path_checks(request["paths"]))
+    for t in threads:
+        t.join()
+    facts["gpus"] = slow["gpus"]
+    facts["imports"] = slow["imports"]
+    facts["errors"] = errors
+    facts["elapsed_s"] = round(time.monotonic() - started, 4)
+    return facts

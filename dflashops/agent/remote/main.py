@@ -1,0 +1,68 @@
+"""Entry point: one request in, one JSON answer out.
+
+``python BUNDLE`` (or the bundle fed to ``python -c`` on stdin) reads one JSON line from stdin,
+``{"action": ..., "workdir": ..., ...}``; anything after that line is the action's data (the
+bytes ``write`` receives). It prints exactly one line ``{"schema": SCHEMA, "action": ...,
+...answer}`` and exits 0, even when single units fail (their ``ok``/``error`` say why), and
+exits 2 with the reason on stderr only for a malformed request.
+``python BUNDLE supervise UNIT_DIR`` runs a unit's supervisor instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from .common import BadRequest, Json
+
+SCHEMA = 2
+ACTIONS = ("facts", "start", "stop", "probe", "tail", "write")
+
+
+def parse(line: bytes) -> Json:
+    if not line.strip():
+        raise BadRequest("no request given")
+    try:
+        request = json.loads(line.decode("utf-8"))
+    except ValueError as exc:
+        raise BadRequest(f"not JSON: {exc}") from None
+    if not isinstance(request, dict):
+        raise BadRequest("the request must be a JSON object")
+    action = request.get("action")
+    if action not in ACTIONS:
+        raise BadRequest(f"action must be one of {', '.join(ACTIONS)}, got {action!r}")
+    workdir = request.get("workdir")
+    if not isinstance(workdir, str) or not workdir.strip():
+        raise BadRequest("workdir must be a non-empty string")
+    request["workdir"] = os.path.abspath(os.path.expanduser(workdir))
+    return request
+
+
+def handle(request: Json, stdin: Any) -> Json:
+    """Validate the action's own fields, then run it (modules load only when used)."""
+    import importlib
+
+    action = request["action"]
+    module = importlib.import_module(f"{__package__}.{action}")
+    module.check(request)
+    answer: Json = {"schema": SCHEMA, "action": action}
+    answer.update(module.run(request, stdin) if action == "write" else module.run(request))
+    return answer
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["supervise"] and len(argv) == 2:
+        from . import supervisor
+
+        return supervisor.main(os.path.abspath(argv[1]))
+    stdin = sys.stdin.buffer
+    try:
+        answer = handle(parse(stdin.readline()), stdin)
+    except BadRequest as exc:
+        sys.stderr.write(f"dflashops agent: bad request: {exc}\n")
+        return 2
+    sys.stdout.write(json.dumps(answer, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+    return 0

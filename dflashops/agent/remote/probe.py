@@ -1,0 +1,172 @@
+"""``probe``: process state, health, identity, banner and (for a dead unit) its log tail.
+
+Request: ``units: [{name, host, port, health_path, identity_paths, headers}]`` (``port`` or
+``health_path`` null: process and log only), ``http_timeout`` (s, 5), ``log_lines`` (30).
+Answer: ``units: {name: {alive, ours, pid, reason, log, exit, stopped, health, identity, banner,
+server_args, log_tail, errors}}``. Every unit is probed at once; the call takes about one
+``http_timeout`` however many units hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from . import logs, ownership, procfs, web
+from .common import (
+    BadRequest,
+    Json,
+    describe,
+    integer,
+    number,
+    read_json_object,
+    unit_dir,
+    unit_list,
+)
+
+BODY_MAX = 256 * 1024  # identity answers
+
+
+def check(request: Json) -> None:
+    for i, u in enumerate(unit_list(request)):
+        u.setdefault("host", "127.0.0.1")
+        if not isinstance(u["host"], str) or not u["host"]:
+            raise BadRequest(f"units[{i}].host must be a non-empty string")
+        u["port"] = None if u.get("port") is None else integer(u["port"], f"units[{i}].port", 1)
+        health = u.setdefault("health_path", "/health")
+        if health is not None and (not isinstance(health, str) or not health.startswith("/")):
+            raise BadRequest(f"units[{i}].health_path must start with / (or be null)")
+        paths = u.setdefault("identity_paths", [])
+        if not isinstance(paths, list) or not all(
+            isinstance(p, str) and p.startswith("/") for p in paths
+        ):
+            raise BadRequest(f"units[{i}].identity_paths must be a list of paths")
+        headers = u.setdefault("headers", {})
+        if not isinstance(headers, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
+            raise BadRequest(f"units[{i}].headers must map strings to strings")
+    request["http_timeout"] = number(request.get("http_timeout", 5), "http_timeout", 0.05)
+    request["log_lines"] = integer(request.get("log_lines", 30), "log_lines")
+
+
+def wants_http(spec: Json) -> bool:
+    return spec["port"] is not None and spec["health_path"] is not None
+
+
+def probe_http(spec: Json, timeout: float, slot: Json) -> None:
+    """Health, then identity; results land in ``slot`` as they come (the caller may give up)."""
+    deadline = time.monotonic() + timeout
+    host, port, headers = spec["host"], spec["port"], spec["headers"]
+    got = web.request(host, port, spec["health_path"], timeout=timeout, headers=headers)
+    slot["health"] = {"status": got["status"], "error": got["error"]}
+    if got["status"] != 200 or not spec["identity_paths"]:
+        return
+    identity: Json = {"path": None, "status": None, "body": None, "error": None}
+    failures = []
+    for path in spec["identity_paths"]:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            failures.append(f"{path}: timed out")
+            break
+        got = web.request(host, port, path, timeout=remaining, limit=BODY_MAX, headers=headers)
+        identity.update(path=path, status=got["status"])
+        if got["status"] != 200:
+            failures.append(f"{path}: {got['error'] or got['status']}")
+            continue
+        body = got["body"] or b""
+        if len(body) > BODY_MAX:
+            identity["error"] = f"{path}: body larger than {BODY_MAX // 1024} KiB"
+        else:
+            try:
+                identity["body"] = json.loads(body.decode("utf-8", "replace"))
+            except ValueError as exc:
+                identity["error"] = f"{path}: not JSON ({exc})"
+        slot["identity"] = identity
+        return
+    identity["error"] = "; ".join(failures) or "no identity path answered"
+    slot["identity"] = identity
+
+
+def unit_files(folder: str, boot: str | None, log_lines: int) -> Json:
+    """Process (the ownership rule), exit/stopped records, banner, and unless the unit runs,
+    the end of its log."""
+    rec, problem = ownership.load_record(folder)
+    view = ownership.view(rec, problem, boot, ownership.group_scan([rec] if rec else []))
+    out: Json = {
+        "alive": view["alive"],
+        "ours": view["ours"],
+        "pid": view["pid"],
+        "reason": view["reason"],
+        "log": None,
+        "exit": None,
+        "stopped": None,
+        "banner": None,
+        "server_args": None,
+        "log_tail": None,
+        "errors": [],
+    }
+    for key in ("exit", "stopped"):
+        try:
+            out[key] = read_json_object(os.path.join(folder, key))
+        except (OSError, ValueError) as exc:
+            out["errors"].append(f"{key}: {exc}")
+    out["log"], path = logs.current(folder)
+    if path is not None:
+        try:
+            out["banner"] = logs.read_banner(path)
+            out["server_args"] = logs.read_server_args(path)
+            if not (view["alive"] and view["ours"]):
+                data, _ = logs.tail_bytes(path, log_lines)
+                out["log_tail"] = data.decode("utf-8", "replace").splitlines()
+        except OSError as exc:
+            out["errors"].append(f"{out['log']}: {describe(exc)}")
+    return out
+
+
+def run(request: Json) -> Json:
+    import threading
+
+    started = time.monotonic()
+    timeout = float(request["http_timeout"])
+    boot = procfs.boot_id()
+    specs = request["units"]
+    slots: dict[str, Json] = {s["name"]: {} for s in specs}
+
+    def one(spec: Json) -> None:
+        try:
+            probe_http(spec, timeout, slots[spec["name"]])
+        except Exception as exc:
+            slots[spec["name"]].setdefault("health", {"status": None, "error": describe(exc)})
+
+    threads = [threading.Thread(target=one, args=(s,), daemon=True) for s in specs if wants_http(s)]
+    for t in threads:
+        t.start()
+    units: Json = {}
+    for spec in specs:
+        try:
+            units[spec["name"]] = unit_files(
+                unit_dir(request["workdir"], spec["name"]), boot, request["log_lines"]
+            )
+        except Exception as exc:
+            units[spec["name"]] = {"alive": False, "ours": False, "pid": None, "exit": None}
+            units[spec["name"]].update(banner=None, log_tail=None, errors=[describe(exc)])
+    give_up = started + timeout + 0.5
+    for t in threads:
+        t.join(max(0.0, give_up - time.monotonic()))
+    for spec in specs:
+        unit = units[spec["name"]]
+        slot = dict(slots[spec["name"]])  # a snapshot: a late thread may still write
+        unit["health"] = unit["identity"] = None
+        if not wants_http(spec):
+            continue
+        unit["health"] = slot.get("health") or {"status": None, "error": "timed out"}
+        if unit["health"]["status"] == 200 and spec["identity_paths"]:
+            unit["identity"] = slot.get("identity") or {
+                "path": None,
+                "status": None,
+                "body": None,
+                "error": "timed out",
+            }
+    return {"units": units, "elapsed_s": round(time.monotonic() - started, 3)}

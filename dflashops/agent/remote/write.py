@@ -1,0 +1,109 @@
+"""``write``: several files in one round trip, each verified on the host, all or none renamed.
+
+Request: ``files: [{path, size, sha256, mode}]``; the files' bytes follow the request on stdin,
+concatenated in that order. Each lands in a temporary file in its own folder (the rename is then
+atomic); only when all arrived with the right sha256 are they renamed into place, keeping the
+previous version as NAME.prev. If stdin ends early (a dropped connection), a hash differs or a
+write fails (a full disk), nothing is renamed and no temporary file is left.
+Answer: ``{ok, written: [paths], error}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import tempfile
+from typing import Any, BinaryIO
+
+from .common import TMP_MARK, BadRequest, Json, integer
+
+CHUNK = 1 << 20
+
+
+class Failed(Exception):
+    pass
+
+
+def check(request: Json) -> None:
+    files = request.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        raise BadRequest("files must be a list of objects")
+    for i, f in enumerate(files):
+        if not isinstance(f.get("path"), str) or not os.path.isabs(f["path"]):
+            raise BadRequest(f"files[{i}].path must be an absolute path")
+        integer(f.get("size"), f"files[{i}].size")
+        integer(f.get("mode"), f"files[{i}].mode")
+        if not isinstance(f.get("sha256"), str) or len(f["sha256"]) != 64:
+            raise BadRequest(f"files[{i}].sha256 must be a sha256 in hex")
+
+
+def receive(entry: Json, src: BinaryIO, tmps: list[str]) -> str:
+    path = entry["path"]
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}{TMP_MARK}", dir=folder)
+    except OSError as exc:
+        raise Failed(f"cannot write in {folder}: {exc}") from None
+    tmps.append(tmp)
+    digest = hashlib.sha256()
+    left = int(entry["size"])
+    try:
+        with os.fdopen(fd, "wb") as out:
+            while left:
+                chunk = src.read(min(left, CHUNK))
+                if not chunk:
+                    raise Failed(f"input ended {left} bytes early in {path} (connection lost?)")
+                out.write(chunk)
+                digest.update(chunk)
+                left -= len(chunk)
+        os.chmod(tmp, int(entry["mode"]))
+    except OSError as exc:
+        raise Failed(f"writing {path} failed (disk full?): {exc}") from None
+    got = digest.hexdigest()
+    if got != entry["sha256"]:
+        raise Failed(f"sha256 mismatch on the host for {path}: got {got}, sent {entry['sha256']}")
+    return tmp
+
+
+def install(path: str, tmp: str) -> None:
+    try:
+        if os.path.exists(path):
+            prev = path + ".prev"
+            if os.path.lexists(prev):
+                os.unlink(prev)
+            os.link(path, prev)  # a hard link: no copy
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise Failed(f"installing {path} failed: {exc}") from None
+
+
+def run(request: Json, stdin: BinaryIO) -> Json:
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        # Default handlers would end the process without cleaning up. Raise only once: a later
+        # signal's exception could land inside the cleanup and abort it.
+        if not interrupted:
+            interrupted.append(signum)
+            raise Failed(f"interrupted by signal {signum}")
+
+    for signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    files = request["files"]
+    tmps: list[str] = []
+    try:
+        received = [receive(entry, stdin, tmps) for entry in files]
+        for entry, tmp in zip(files, received):
+            install(entry["path"], tmp)
+            tmps.remove(tmp)
+        return {"ok": True, "written": [f["path"] for f in files], "error": None}
+    except Failed as exc:
+        return {"ok": False, "written": [], "error": str(exc)}
+    finally:
+        interrupted.append(0)  # from here on, signals no longer raise
+        for tmp in tmps:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)

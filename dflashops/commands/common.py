@@ -1,0 +1,163 @@
+"""What the commands that touch hosts share: select, pre-flight and render (nothing is shipped
+that pre-flight rejects), the orphan rule's names, one HostRun per host in a bounded pool,
+every host's outcome reported, a recap, and exit status 2 when any host failed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.text import Text
+
+from dflashops.config.inventory import Host
+from dflashops.errors import DflashopsError
+from dflashops.events import EventLog
+from dflashops.lifecycle import HostRun, Options
+from dflashops.output import escape
+from dflashops.plan import build_plan, topo_order
+from dflashops.preflight import Report, run_preflight
+from dflashops.project import Selection, find_inventory, select, split_names
+from dflashops.render import Rendered
+from dflashops.run import on_hosts
+
+
+@dataclass
+class Target:
+    hosts: dict[str, Host]
+    rendered: dict[str, list[Rendered]]  # per host, in start order
+    known: dict[str, set[str]] | None  # unit names the project defines per host (None: unknown)
+    explicit_playbooks: bool = False  # -p narrowed the playbooks
+    selection: Selection | None = field(default=None, repr=False)
+
+    def run(self, host: Host, events: EventLog, opts: Options, board: Any = None) -> HostRun:
+        known = None if self.known is None else self.known.get(host.name, set())
+        run = HostRun(host, self.rendered.get(host.name, []), events, opts, known=known)
+        if board is not None:
+            run.board = board
+        return run
+
+
+def prepare(
+    out: Console,
+    inventory: str | None,
+    hosts: Any,
+    playbooks: list[str] | None,
+    *,
+    all_named_hosts: bool = False,
+) -> Target:
+    """Select, pre-flight and render; refuse to go on if pre-flight finds any error.
+    ``all_named_hosts``: keep hosts given with --host even when no selected playbook puts a
+    unit there (stop and status still have orphans to look at)."""
+    selection = select(find_inventory(inventory), playbooks or [], split_names(hosts))
+    report: Report = run_preflight(selection)
+    if not report.ok:
+        for c in report.errors:
+            out.print(f"[red]FAIL[/] {c.check}: {escape(c.message)}")
+        raise DflashopsError(
+            f"pre-flight failed ({len(report.errors)} error(s)): nothing was sent to any host"
+        )
+    order = {u.name: i for i, u in enumerate(topo_order(report.plan.units if report.plan else []))}
+    rendered: dict[str, list[Rendered]] = {}
+    for r in sorted(report.rendered, key=lambda r: order.get(r.unit.name, 0)):
+        rendered.setdefault(r.unit.host.name, []).append(r)
+    # Every host a selected playbook targets, even with no unit left there: its orphans count.
+    names = list(report.plan.hosts) if report.plan else list(rendered)
+    if all_named_hosts and selection.hosts:
+        names += [h for h in selection.hosts if h not in names]
+    inv = selection.inventory.hosts
+    return Target(
+        {h: inv[h] for h in names},
+        rendered,
+        project_units(out, selection, names),
+        explicit_playbooks=bool(playbooks),
+        selection=selection,
+    )
+
+
+def project_units(
+    out: Console, selection: Selection, hosts: list[str]
+) -> dict[str, set[str]] | None:
+    """Unit names every project playbook defines on each host, or None (with a warning) when
+    the project cannot be read whole: then no unit is called an orphan."""
+    why = None
+    if selection.project is None:
+        why = "a playbook in playbooks/ does not load"
+    else:
+        plan = build_plan(selection.inventory, selection.project, hosts)
+        if plan.problems:
+            why = f"a playbook does not plan: {plan.problems[0]}"
+        else:
+            return {h: {u.name for u in hp.units} for h, hp in plan.hosts.items()}
+    out.print(f"[yellow]WARN[/] orphans: not looked for, {escape(why)}")
+    return None
+
+
+class ProgressBoard:
+    """One live line per host while waiting for readiness, on a terminal only."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.lines: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.live: Live | None = None
+
+    def update(self, host: str, text: str) -> None:
+        with self.lock:
+            if text:
+                self.lines[host] = text
+            else:
+                self.lines.pop(host, None)
+            if self.live is not None:
+                self.live.update(self._render())
+
+    def _render(self) -> Text:
+        return Text("\n".join(f"[{h}] {t}" for h, t in sorted(self.lines.items())), style="dim")
+
+    @contextmanager
+    def running(self) -> Iterator[ProgressBoard]:
+        if not self.console.is_terminal:
+            yield self
+            return
+        with Live(
+            self._render(), console=self.console, refresh_per_second=4, transient=True
+        ) as live:
+            self.live = live
+            try:
+                yield self
+            finally:
+                self.live = None
+
+
+def each_host(
+    out: Console,
+    target: Target,
+    events: EventLog,
+    forks: int,
+    work: Callable[[HostRun], None],
+    opts: Options,
+) -> int:
+    """``work`` on every host of the target, a recap, and the exit status (0, or 2)."""
+    board = ProgressBoard(out)
+
+    def one(host: Host) -> None:
+        run = target.run(host, events, opts, board.update)
+        try:
+            work(run)
+        finally:
+            run.close()
+
+    with board.running():
+        outcomes = on_hosts(list(target.hosts.values()), one, forks, opts.abort)
+    for name, outcome in outcomes.items():
+        if not outcome.ok:
+            status = "failed" if outcome.unexpected else "unreachable"
+            message = (outcome.error or "failed").removeprefix(f"[{name}] ")  # the line names it
+            events.emit(name, None, status, "host", message)  # type: ignore[arg-type]
+    ok = events.print_recap(target.hosts)
+    events.close()
+    return 0 if ok else 2

@@ -1,0 +1,260 @@
+"""status: what runs where, per unit, from the hosts themselves (facts, probes, log ends)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dflashops.agent.answers import HostFacts, UnitFacts, UnitProbe
+from dflashops.commands.common import prepare
+from dflashops.commands.table import DEFAULT_FORKS
+from dflashops.config.inventory import Host
+from dflashops.engines import identity
+from dflashops.events import EventLog
+from dflashops.lifecycle import Options, health_text, probe_spec
+from dflashops.orphans import Orphan
+from dflashops.output import escape
+from dflashops.render import Rendered
+from dflashops.run import on_hosts
+
+# -- status -------------------------------------------------------------------------------------
+
+
+def unit_state(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> tuple[str, str]:
+    """(state, health) for the status table."""
+    uf = facts.unit(r.unit.name)
+    if uf is None or (uf.pid is None and uf.exit is None):
+        return ("stopped" if uf is not None and uf.unit is not None else "absent"), "-"
+    if not uf.running:
+        if uf.stopped is not None and uf.pid is None:
+            return "stopped", "-"
+        if uf.exit is not None and uf.exit.code is not None:
+            ran = run_time(uf)
+            outcome = f"exit {uf.exit.code}" + (f" after {ran}" if ran else "")
+            if r.unit.kind == "job":
+                return ("done" if uf.exit.code == 0 else "failed"), outcome
+            return "dead", outcome
+        return ("stopped" if uf.pid is None else "dead"), "-"
+    if r.unit.port is None or r.launch.health_path is None or probe is None:
+        return ("running" if uf.fingerprint == r.fingerprint else "outdated"), "-"
+    health = health_text(probe)
+    if probe.health is None or probe.health.status != 200:
+        return "starting", health
+    if uf.fingerprint != r.fingerprint:
+        return "outdated", health  # runs an older rendering: `deploy` restarts it
+    if identity.check(r, probe):
+        return "drifted", health
+    return "ready", health
+
+
+def run_time(uf: UnitFacts) -> str:
+    if uf.pid is None or not uf.pid.started_at or uf.exit is None or not uf.exit.finished_at:
+        return ""
+    try:
+        began, ended = (
+            datetime.strptime(t, "%Y-%m-%dT%H:%M:%SZ")
+            for t in (uf.pid.started_at, uf.exit.finished_at)
+        )
+    except ValueError:
+        return ""
+    return _duration((ended - began).total_seconds())
+
+
+def failed_units(rendered: list[Rendered], facts: HostFacts) -> list[str]:
+    """Units that ended on their own with a non-zero exit: their log ends are worth showing."""
+    names = []
+    for r in rendered:
+        uf = facts.unit(r.unit.name)
+        if (
+            uf
+            and not uf.running
+            and uf.stopped is None
+            and uf.exit is not None
+            and uf.exit.code not in (0, None)
+        ):
+            names.append(r.unit.name)
+    return names
+
+
+def status(
+    out: Console,
+    *,
+    inventory: str | None = None,
+    hosts: Any = None,
+    playbooks: list[str] | None = None,
+    forks: int = DEFAULT_FORKS,
+    json_path: str | None = None,
+) -> int:
+    target = prepare(out, inventory, hosts, playbooks, all_named_hosts=True)
+
+    def look(host: Host) -> tuple[HostFacts, dict[str, UnitProbe], dict[str, str], list[Orphan]]:
+        run = target.run(host, EventLog(out), Options())
+        try:
+            facts = run.gather()
+            probed = [
+                r
+                for r in run.rendered
+                if r.unit.port is not None and (uf := facts.unit(r.unit.name)) and uf.running
+            ]
+            probes = run.agent.probe(facts.workdir, [probe_spec(r) for r in probed])
+            # Only failed units cost an extra call each: the end of the log says why.
+            tails = {
+                name: run.agent.tail(facts.workdir, name, lines=10).text
+                for name in failed_units(run.rendered, facts)
+            }
+            return facts, probes, tails, run.orphans
+        finally:
+            run.close()
+
+    outcomes = on_hosts(list(target.hosts.values()), look, forks)
+    table = Table(
+        "host",
+        "unit",
+        "state",
+        "pid",
+        "uptime",
+        "port",
+        "health",
+        "fingerprint",
+        "gpus",
+        "progress",
+        box=None,
+    )
+    rows: list[dict[str, Any]] = []
+    failures: list[tuple[str, str, str, str]] = []
+    bad = False
+    for name, outcome in outcomes.items():
+        if outcome.value is None:
+            table.add_row(
+                name,
+                "-",
+                "[red]unreachable[/]",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                escape((outcome.error or "")[:120]),
+            )
+            rows.append({"host": name, "state": "unreachable", "error": outcome.error})
+            bad = True
+            continue
+        facts, probes, tails, orphans = outcome.value
+        for o in orphans:
+            row = orphan_row(name, o, facts)
+            rows.append(row)
+            table.add_row(
+                name,
+                o.name,
+                "[magenta]orphan[/]",
+                str(row["pid"] or ""),
+                row["uptime"],
+                str(o.port or "-"),
+                "-",
+                "no playbook defines it",
+                row["gpus"],
+                "",
+            )
+        for r in target.rendered.get(name, []):
+            row = status_row(r, facts, probes.get(r.unit.name))
+            if r.unit.name in tails:
+                row["log_tail"] = tails[r.unit.name]
+                failures.append((name, r.unit.name, row["health"], tails[r.unit.name]))
+            rows.append(row)
+            color = {
+                "ready": "green",
+                "running": "green",
+                "done": "green",
+                "starting": "yellow",
+                "outdated": "yellow",
+                "stopped": "dim",
+                "absent": "dim",
+            }.get(row["state"], "red")
+            bad = bad or color == "red"
+            table.add_row(
+                name,
+                r.unit.name,
+                f"[{color}]{row['state']}[/]",
+                str(row["pid"] or ""),
+                row["uptime"],
+                str(r.unit.port or "-"),
+                escape(row["health"]),
+                row["fingerprint"],
+                row["gpus"],
+                escape(row["progress"]),
+            )
+    out.print(table)
+    for host_name, unit, ended, text in failures:
+        out.print(f"[red]==> {escape(f'[{host_name}] {unit} ({ended}), end of its log:')}[/]")
+        out.out(text.rstrip("\n"), highlight=False)
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as handle:
+            handle.write("\n".join(json.dumps(row, default=str) for row in rows) + "\n")
+    return 2 if bad else 0
+
+
+def status_row(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> dict[str, Any]:
+    uf = facts.unit(r.unit.name)
+    state, health = unit_state(r, facts, probe)
+    pid = uf.process.pid if uf is not None and uf.running else None
+    up = uptime(uf, facts) if uf is not None else ""
+    match = uf is not None and uf.fingerprint == r.fingerprint
+    fp = f"{r.short} {'=' if match else '!= ' + (uf.fingerprint or 'none')[:12] if uf else 'none'}"
+    gpus = " ".join(f"{g}:{facts.gpu_used_mib(g) // 1024}G" for g in r.unit.gpus) or "-"
+    progress = ""
+    if uf is not None and uf.progress:
+        p = uf.progress
+        done, total = p.get("done"), p.get("total")
+        progress = f"{done}/{total}" if done is not None and total else ""
+        if p.get("eta_s") and p.get("state") == "running" and uf.running:
+            progress += f" eta {_duration(float(p['eta_s']))}"
+    return {
+        "host": r.unit.host.name,
+        "unit": r.unit.name,
+        "state": state,
+        "pid": pid,
+        "uptime": up,
+        "port": r.unit.port,
+        "health": health,
+        "fingerprint": fp,
+        "gpus": gpus,
+        "progress": progress,
+    }
+
+
+def uptime(uf: UnitFacts, facts: HostFacts) -> str:
+    if not uf.running or uf.pid is None or not uf.pid.started_at:
+        return ""
+    started = datetime.strptime(uf.pid.started_at, "%Y-%m-%dT%H:%M:%SZ").replace(
+        tzinfo=timezone.utc
+    )
+    return _duration(facts.time - started.timestamp())
+
+
+def orphan_row(host: str, o: Orphan, facts: HostFacts) -> dict[str, Any]:
+    return {
+        "host": host,
+        "unit": o.name,
+        "state": "orphan",
+        "running": o.running,
+        "pid": o.facts.process.pid if o.running else None,
+        "pids": o.pids,
+        "uptime": uptime(o.facts, facts),
+        "port": o.port,
+        "gpus": " ".join(f"{g}:{facts.gpu_used_mib(g) // 1024}G" for g in o.gpus) or "-",
+        "playbook": o.facts.unit.playbook if o.facts.unit else None,
+    }
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
