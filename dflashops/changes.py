@@ -70,10 +70,20 @@ def job_done(uf: UnitFacts | None) -> bool:
     )
 
 
+Content = dict[str, dict[str, str | None]]  # unit -> {files entry key: dest digest}
+
+
 def plan_changes(
-    rendered: list[Rendered], facts: HostFacts, *, rerun: bool = False
+    rendered: list[Rendered],
+    facts: HostFacts,
+    *,
+    rerun: bool = False,
+    content: Content | None = None,
 ) -> list[Change]:
-    changes = [_change(r, facts, rerun) for r in rendered]
+    """``content``: what the files entries each unit runs on (its model) hold now; a running
+    unit whose unit.json recorded other content restarts."""
+    content = content or {}
+    changes = [_change(r, facts, rerun, content.get(r.unit.name, {})) for r in rendered]
     restarting = {c.rendered.unit.service for c in changes if c.action == "restart"}
     restarting |= {
         c.rendered.unit.service
@@ -97,7 +107,7 @@ def plan_changes(
     return changes
 
 
-def _change(r: Rendered, facts: HostFacts, rerun: bool) -> Change:
+def _change(r: Rendered, facts: HostFacts, rerun: bool, content: dict[str, str | None]) -> Change:
     uf = facts.unit(r.unit.name)
     missing = [
         f for f in r.files if not facts.has_payload(f.remote.removeprefix("payloads/"), f.sha256)
@@ -108,6 +118,12 @@ def _change(r: Rendered, facts: HostFacts, rerun: bool) -> Change:
         if not same:
             was = old[:12] if old else "unknown"
             return Change(r, "restart", f"fingerprint {was} -> {r.short}", old, missing)
+        recorded = uf.unit.content if uf.unit is not None else {}
+        moved = sorted(k for k, digest in content.items() if recorded.get(k) != digest)
+        if moved:
+            return Change(
+                r, "restart", f"content of files {', '.join(moved)} changed", old, missing
+            )
         if uf.script_sha256 != script_sha(r) or missing:
             what = (
                 "launch.sh differs on the host"

@@ -19,7 +19,7 @@ from rich.console import Console
 
 from dflashops.output import escape
 
-Status = Literal["ok", "changed", "failed", "unreachable", "skipped", "info", "orphan"]
+Status = Literal["ok", "changed", "failed", "unreachable", "skipped", "info", "orphan", "waiting"]
 COLORS = {
     "ok": "green",
     "changed": "yellow",
@@ -28,6 +28,7 @@ COLORS = {
     "skipped": "cyan",
     "info": "blue",
     "orphan": "magenta",
+    "waiting": "cyan",
 }
 
 
@@ -53,6 +54,7 @@ class HostRecap:
     failed: int = 0
     unreachable: int = 0
     orphans: int = 0
+    waiting: int = 0
     reasons: list[str] = field(default_factory=list)
 
 
@@ -113,8 +115,8 @@ class EventLog:
         return event
 
     def recap(self, hosts: Iterable[str]) -> dict[str, HostRecap]:
-        """Per host, units counted by their worst outcome (failed > changed > ok); a host that
-        could not be reached counts once as unreachable."""
+        """Per host, units (and environments and files entries) counted by their worst outcome
+        (failed > changed > ok); a host that could not be reached counts once as unreachable."""
         out = {h: HostRecap() for h in hosts}
         worst: dict[tuple[str, str], str] = {}
         rank = {"ok": 0, "changed": 1, "failed": 2}
@@ -125,14 +127,18 @@ class EventLog:
             if e.status == "orphan":
                 r.orphans += 1
                 continue
-            if e.unit is None:
+            if e.status == "waiting":
+                r.waiting += 1
+                continue
+            subject = e.unit or e.data.get("entry")
+            if subject is None:
                 if e.status == "unreachable":
                     r.unreachable += 1
                 elif e.status == "failed":
                     r.failed += 1
                 continue
             if e.status in rank:
-                key = (e.host, e.unit)
+                key = (e.host, str(subject))
                 if rank[e.status] >= rank.get(worst.get(key, "ok"), 0):
                     worst[key] = e.status
         for (host, _unit), status in worst.items():
@@ -153,6 +159,7 @@ class EventLog:
             self.console.print(
                 f"[{color}]{host:<{width}}[/]  ok={r.ok} changed={r.changed} failed={r.failed} unreachable={r.unreachable}"
                 + (f" orphans={r.orphans}" if r.orphans else "")
+                + (f" waiting={r.waiting}" if r.waiting else "")
             )
             for reason in r.reasons[:5]:
                 self.console.print(f"    [red]{escape(reason)}[/]")

@@ -28,8 +28,10 @@ from dflashops.engines import identity
 from dflashops.errors import HostError
 from dflashops.events import EventLog
 from dflashops.hosts import connect
+from dflashops.nodestate import NodeState
 from dflashops.orphans import Orphan, blocking, find, ways_out
 from dflashops.render import Rendered
+from dflashops.stage import Stage, envs_request, files_request
 
 Board = Callable[[str, str], None]  # host, text: the live progress line (no-op off a terminal)
 
@@ -60,8 +62,11 @@ class HostRun:
     # Unit names the project's playbooks define for this host; None: unknown (a project
     # playbook did not load), so nothing is called an orphan.
     known: set[str] | None = None
+    node: NodeState = field(default_factory=NodeState)  # environments and files for this host
+    peers: dict[str, Host] = field(default_factory=dict)  # the inventory: relay sources
     ready: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
+    waiting: set[str] = field(default_factory=set)  # units held back by a files entry
     orphans: list[Orphan] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -69,6 +74,22 @@ class HostRun:
         self.agent = Agent(self.conn, self.host.python)
         self.by_name = {r.unit.name: r for r in self.rendered}
         self.workdir = self.host.workdir  # replaced by the host's absolute path at the first facts
+        self.peer_agents: dict[str, Agent] = {}
+        self.stage: Stage | None = None
+
+    def peer(self, name: str) -> Agent:
+        """The agent on another inventory host (a relay's source), connected once."""
+        if name == self.host.name:
+            return self.agent
+        if name not in self.peer_agents:
+            if name not in self.peers:
+                raise HostError(self.host.name, f"{name} is not in the inventory")
+            other = self.peers[name]
+            self.peer_agents[name] = Agent(connect(other), other.python)
+        return self.peer_agents[name]
+
+    def peer_workdir(self, name: str) -> str:
+        return self.workdir if name == self.host.name else self.peers[name].workdir
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -85,7 +106,9 @@ class HostRun:
         return f"{self.workdir}/units/{name}"
 
     def gather(self) -> HostFacts:
-        facts = self.agent.facts(self.host.workdir)
+        facts = self.agent.facts(
+            self.host.workdir, files=files_request(self.node), envs=envs_request(self.node)
+        )
         self.workdir = facts.workdir
         self.orphans = find(facts, self.known) if self.known is not None else []
         return facts
@@ -109,15 +132,24 @@ class HostRun:
             commands=self.conn.commands,
         )
         self.conn.close()
+        for agent in self.peer_agents.values():
+            agent.conn.close()
 
     # -- deploy ----------------------------------------------------------------------------
 
     def deploy(self) -> None:
+        """Orphans, environments, files, then services and jobs (DESIGN.md's order)."""
         facts = self.gather()
-        changes = plan_changes(self.rendered, facts, rerun=self.opts.rerun)
+        self._orphans()
+        self.stage = stage = Stage(self, self.node, facts)
+        stage.environments()
+        stage.files()
+        changes = plan_changes(
+            self.rendered, facts, rerun=self.opts.rerun, content=self._content(stage)
+        )
         if self.opts.diff:
             self._show_diffs(facts, changes)
-        self._orphans()
+        changes = self._node_blocked(changes, stage)
         if self.opts.check:
             for c in changes:
                 status = "ok" if c.action == "ok" else "changed"
@@ -146,6 +178,50 @@ class HostRun:
             {c.name: c for c in changes},
         )
         self._run_jobs([c for c in changes if c.rendered.unit.kind == "job"], facts)
+
+    def _content(self, stage: Stage) -> dict[str, dict[str, str | None]]:
+        """What each unit's files entries hold now (or, with --check, will hold)."""
+        out: dict[str, dict[str, str | None]] = {}
+        for r in self.rendered:
+            if r.unit.content:
+                out[r.unit.name] = {k: stage.expected(k) for k in r.unit.content}
+        return out
+
+    def _node_blocked(self, changes: list[Change], stage: Stage) -> list[Change]:
+        """Units whose environment did not build, or whose files entries are not in place:
+        not (re)started; a running one keeps running what it runs. The rest go on."""
+        kept = []
+        for c in changes:
+            unit = c.rendered.unit
+            env_why = stage.envs_failed.get(unit.env.name) if unit.env is not None else None
+            waits = [k for k in unit.waits if stage.entries.get(k) not in ("ok", "changed")]
+            if env_why is None and not waits:
+                kept.append(c)
+                continue
+            if not c.runs_after:
+                kept.append(c)  # nothing to start: it stays as it is
+                continue
+            still = " (still running its old process)" if c.action == "restart" else ""
+            if env_why is not None and unit.env is not None:
+                verb = "restarted" if still else "started"
+                self.fail(
+                    c.name, "start", f"not {verb}: environment {unit.env.name} did not build{still}"
+                )
+                continue
+            failed = [k for k in waits if stage.entries.get(k) == "failed"]
+            if failed:
+                self.fail(
+                    c.name, "start", f"not started: files {', '.join(failed)} not in place{still}"
+                )
+                continue
+            self.emit(
+                c.name,
+                "waiting",
+                "start",
+                f"waiting: {'; '.join(stage.reasons.get(k, k) for k in waits)}{still}",
+            )
+            self.waiting.add(c.name)
+        return kept
 
     def _may_run(self, c: Change, facts: HostFacts) -> bool:
         """Refuse to start on top of something that is not ours: a foreign listener on the
@@ -235,7 +311,11 @@ class HostRun:
         base = self.unit_dir(c.name)
         files = [
             (r.script.encode(), f"{base}/launch.sh", 0o755),
-            (json.dumps(unit_record(r), indent=1).encode() + b"\n", f"{base}/unit.json", 0o644),
+            (
+                json.dumps(unit_record(r, self._content_of(r)), indent=1).encode() + b"\n",
+                f"{base}/unit.json",
+                0o644,
+            ),
         ]
         secrets = r.unit.spec.secret_env
         if secrets:
@@ -246,6 +326,9 @@ class HostRun:
             )
             files.append((body.encode(), f"{base}/secrets.env", 0o600))
         return files
+
+    def _content_of(self, r: Rendered) -> dict[str, str | None]:
+        return {k: self.stage.expected(k) for k in r.unit.content} if self.stage else {}
 
     def _stop(self, changes: list[Change]) -> None:
         self.check_abort()
@@ -489,6 +572,13 @@ class HostRun:
             batch = []
             for name, c in list(pending.items()):
                 needs = c.rendered.unit.needs
+                held = [n for n in needs if n in self.waiting]
+                if held:
+                    del pending[name]
+                    if c.runs_after:
+                        self.waiting.add(name)
+                        self.emit(name, "waiting", "start", f"waiting: {', '.join(held)} waiting")
+                    continue
                 if any(
                     n in self.failed
                     or (n not in self.ready and n not in pending and n in self.by_name)
@@ -528,7 +618,7 @@ def ready_settings(r: Rendered) -> Ready:
     return Ready() if isinstance(spec, Job) else spec.ready
 
 
-def unit_record(r: Rendered) -> dict[str, object]:
+def unit_record(r: Rendered, content: dict[str, str | None] | None = None) -> dict[str, object]:
     u = r.unit
     return {
         "unit": u.name,
@@ -541,6 +631,7 @@ def unit_record(r: Rendered) -> dict[str, object]:
         "dp": u.dp,
         "playbook": u.playbook.name,
         "stop_grace": u.spec.stop_grace,
+        "content": content or {},
         "deployed_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 

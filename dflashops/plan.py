@@ -29,6 +29,7 @@ from dflashops.config.playbook import (
 )
 from dflashops.config.yamlsource import PathKey
 from dflashops.errors import Problem
+from dflashops.nodestate import EnvPlan, NodeState, plan_node
 
 DEFAULT_PORTS = {"sglang": 30000, "stub": 30000, "vllm": 8000}
 Spec = ModelService | CommandService | Job
@@ -51,6 +52,9 @@ class Unit:
     gpus: tuple[int, ...] = ()
     needs: tuple[str, ...] = ()  # unit names that must be ready first
     servers: tuple[str, ...] = ()  # URLs given to a job with `servers:`
+    env: EnvPlan | None = None  # the environment it runs in
+    content: tuple[str, ...] = ()  # files entries (keys) whose content it runs on: its model
+    waits: tuple[str, ...] = ()  # files entries (keys) that must be in place first
 
     @property
     def tp(self) -> int:
@@ -70,6 +74,7 @@ class Unit:
 class HostPlan:
     host: Host
     units: list[Unit] = field(default_factory=list)
+    node: NodeState = field(default_factory=NodeState)
 
 
 @dataclass
@@ -119,7 +124,7 @@ def build_plan(
     # A templated playbook is validated once per host: the same mistake must be said once.
     problems[:] = list(dict.fromkeys(problems))
     for name, entries in placed.items():
-        host_plan, errs = _plan_host(inventory.hosts[name], entries)
+        host_plan, errs = _plan_host(inventory, inventory.hosts[name], entries)
         plan.hosts[name] = host_plan
         problems.extend(errs)
     return plan
@@ -147,6 +152,7 @@ def _expand_for_host(book: Playbook, host: Host, problems: list[Problem]) -> Pla
         **host.vars,
         "host": host.name,
         "host_gpus": host.gpus,
+        "workdir": host.workdir,
         # Meaningful for local hosts, which share the controller's filesystem.
         "playbook_dir": str(book.path.parent.resolve()),
     }
@@ -189,9 +195,15 @@ def _expand_for_host(book: Playbook, host: Host, problems: list[Problem]) -> Pla
 
 
 def _plan_host(
-    host: Host, entries: list[tuple[Playbook, PlaybookFile]]
+    inventory: Inventory, host: Host, entries: list[tuple[Playbook, PlaybookFile]]
 ) -> tuple[HostPlan, list[Problem]]:
     problems: list[Problem] = []
+    node = plan_node(
+        inventory,
+        host,
+        [(book, list(spec.environments.items()), spec.files) for book, spec in entries],
+        problems,
+    )
     allocator = _GpuAllocator(host, problems)
     made: list[tuple[tuple[int, int, int], list[Unit]]] = []
     # Explicit GPU lists are claims, honoured before any `auto` allocation wherever they sit in
@@ -211,10 +223,36 @@ def _plan_host(
     units = [u for _, group in sorted(made, key=lambda m: m[0]) for u in group]
     problems.extend(_check_names(units))
     problems.extend(_check_ports(units))
-    units = _link_jobs(units, problems)
+    units = _link_node(_link_jobs(units, node, problems), node, problems)
     problems.extend(_check_cycles(units))
     problems.extend(_check_vllm_dp(units))
-    return HostPlan(host, units), problems
+    return HostPlan(host, units, node), problems
+
+
+def _link_node(units: list[Unit], node: NodeState, problems: list[Problem]) -> list[Unit]:
+    """Each unit's environment, and the files entries it runs on (a model that is a files
+    dest: its content restarts the unit when it changes, and the unit waits for it)."""
+    out = []
+    for u in units:
+        env = None
+        if u.spec.environment is not None:
+            env = node.envs.get(u.spec.environment)
+            if env is None:
+                known = ", ".join(sorted(node.envs)) or "none"
+                problems.append(
+                    u.problem(
+                        f"environment {u.spec.environment!r} is not declared for host "
+                        f"{u.host.name} (declared: {known})",
+                        "environment",
+                    )
+                )
+        content: tuple[str, ...] = ()
+        if isinstance(u.spec, ModelService) and (fp := node.by_dest(u.spec.model)) is not None:
+            content = (fp.key,)
+        out.append(
+            replace(u, env=env, content=content, waits=tuple(dict.fromkeys((*u.waits, *content))))
+        )
+    return out
 
 
 Where = Callable[[str], Problem]  # turns a message into a located problem
@@ -386,8 +424,10 @@ def _check_ports(units: list[Unit]) -> list[Problem]:
     return problems
 
 
-def _link_jobs(units: list[Unit], problems: list[Problem]) -> list[Unit]:
-    """Resolve each job's needs/servers/restart_with to unit names and URLs on the same host."""
+def _link_jobs(units: list[Unit], node: NodeState, problems: list[Problem]) -> list[Unit]:
+    """Resolve each job's needs/servers/restart_with to unit names and URLs on the same host
+    (a need may also name a files entry: the job waits until it is in place)."""
+    entries = {f.entry.name: f.key for f in node.files if f.entry.name}
     by_service: dict[str, list[Unit]] = {}
     for u in units:
         by_service.setdefault(u.service, []).append(u)
@@ -399,8 +439,11 @@ def _link_jobs(units: list[Unit], problems: list[Problem]) -> list[Unit]:
             continue
         job = u.spec
         needs: list[str] = []
+        waits: list[str] = []
         for i, name in enumerate(job.needs):
-            if name == job.name:
+            if name in entries:
+                waits.append(entries[name])
+            elif name == job.name:
                 problems.append(u.problem("a job cannot need itself", "needs", i))
             elif name in by_service:
                 needs.extend(x.name for x in by_service[name] if x.name not in needs)
@@ -409,7 +452,9 @@ def _link_jobs(units: list[Unit], problems: list[Problem]) -> list[Unit]:
             else:
                 problems.append(
                     u.problem(
-                        f"needs unknown unit or service {name!r} on host {u.host.name}", "needs", i
+                        f"needs unknown unit, service or files entry {name!r} on host {u.host.name}",
+                        "needs",
+                        i,
                     )
                 )
         servers: list[str] = []
@@ -434,7 +479,7 @@ def _link_jobs(units: list[Unit], problems: list[Problem]) -> list[Unit]:
                 problems.append(
                     u.problem(f"restart_with names unknown service {name!r}", "restart_with", i)
                 )
-        out.append(replace(u, needs=tuple(needs), servers=tuple(servers)))
+        out.append(replace(u, needs=tuple(needs), servers=tuple(servers), waits=tuple(waits)))
     return out
 
 

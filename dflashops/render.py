@@ -26,8 +26,9 @@ from jinja2 import (
 
 from dflashops import __version__
 from dflashops.engines import launch_for
-from dflashops.engines.base import HostPath, Launch, ShippedFile, Token, WorkPath
+from dflashops.engines.base import EnvPython, HostPath, Launch, ShippedFile, Token, WorkPath
 from dflashops.errors import Problem
+from dflashops.hosts.connection import host_word
 from dflashops.plan import Plan, Unit
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -43,8 +44,10 @@ def quote(value: Any) -> Quoted:
     if isinstance(value, WorkPath):
         return Quoted('"${DFLASHOPS_WORKDIR}"/' + shlex.quote(value.relative))
     if isinstance(value, HostPath):
-        home = value.path.startswith("~/")
-        return Quoted('"$HOME"/' + shlex.quote(value.path[2:]) if home else shlex.quote(value.path))
+        return Quoted(host_word(value.path))
+    if isinstance(value, EnvPython):
+        # _unit.sh.j2 resolves the environment's link into VIRTUAL_ENV before anything runs.
+        return Quoted('"${VIRTUAL_ENV:?the unit environment is not set}"/bin/python')
     if value is None:
         return Quoted("''")
     if isinstance(value, (list, tuple)):
@@ -158,6 +161,8 @@ def render_unit(env: Environment, unit: Unit) -> Rendered:
                 "script": draft,
                 "files": {f.remote: f.sha256 for f in launch.files},
                 "secrets": sorted(unit.spec.secret_env),
+                # Only when there is one: fingerprints of units without stay what they were.
+                **({"environment": unit.env.hash} if unit.env is not None else {}),
             },
             sort_keys=True,
         ).encode()
@@ -197,3 +202,4 @@ class _UnitView:
         # An empty CUDA_VISIBLE_DEVICES hides every GPU: a CPU-only job cannot grab one by accident.
         self.cuda_visible_devices = ",".join(map(str, unit.gpus))
         self.replica = unit.replica
+        self.env_path = HostPath(unit.env.path) if unit.env is not None else None

@@ -109,6 +109,7 @@ class UnitRecord(FactsModel):
     dp: int | None = None
     playbook: str | None = None
     stop_grace: float | None = None  # kept so that an orphan stops as it was meant to
+    content: dict[str, str | None] = Field(default_factory=dict)  # files key -> digest run on
     deployed_at: str | None = None
 
 
@@ -212,6 +213,38 @@ class UnitFacts(FactsModel):
         return self.unit.fingerprint if self.unit is not None else None
 
 
+class FreeSpace(FactsModel):
+    path: str  # the nearest existing folder of the place asked about
+    free_bytes: int
+
+
+class SourceState(FactsModel):
+    exists: bool
+    digest: str | None  # None: not every file could be hashed within the facts budget
+    bytes: int
+
+
+Listing = dict[str, list[Any]]  # rel -> [size, sha256 or None]
+Parts = dict[str, dict[str, int]]  # rel -> {sha16 of the file being sent: bytes already there}
+
+
+class FileState(FactsModel):
+    """A files entry's dest on the host, from its manifest (and a host source's digest)."""
+
+    exists: bool
+    digest: str | None
+    free: FreeSpace
+    src: SourceState | None = None
+    files: Listing | None = None  # only where dest does not hold what was expected
+    parts: Parts | None = None
+    origin: dict[str, Any] | None = None  # a hub download's repo, revision, commit, digest
+
+
+class EnvState(FactsModel):
+    state: str  # ok (the build of this content is in place) | missing | other | unmanaged
+    current: str | None  # the build PATH links to now
+
+
 class HostFacts(FactsModel):
     host: str = ""  # the inventory name (set by the client, not by the agent)
     hostname: str
@@ -230,6 +263,9 @@ class HostFacts(FactsModel):
     units: dict[str, UnitFacts]
     imports: dict[str, ImportCheck]
     paths: dict[str, PathCheck]
+    files: dict[str, FileState] = Field(default_factory=dict)  # by the entry's key
+    envs: dict[str, EnvState] = Field(default_factory=dict)
+    tools: dict[str, str | None] = Field(default_factory=dict)  # uv, hf: where, or None
     errors: dict[str, str] = Field(default_factory=dict)  # parts of the payload that failed
     elapsed_s: float | None = None
 
@@ -408,4 +444,64 @@ class TailResult(FactsModel):
 class WriteResult(FactsModel):
     ok: bool
     written: list[str]
+    error: str | None = None
+
+
+# ---------------------------------------------------------------------------------------- files
+
+
+class TreeScan(FactsModel):
+    exists: bool
+    kind: str  # file | tree
+    digest: str | None
+    files: Listing = Field(default_factory=dict)
+    parts: Parts = Field(default_factory=dict)
+    hashed_bytes: int = 0
+
+
+class JobState(FactsModel):
+    state: str  # never | running | done | failed | stopped
+    exit: dict[str, Any] | None = None
+    progress: dict[str, Any] | None = None
+
+
+class ScanResult(FactsModel):
+    tree: TreeScan | None = None  # None: only the job was asked about
+    job: JobState | None = None
+
+
+class ReceiveResult(FactsModel):
+    ok: bool
+    written: list[str]
+    failed: dict[str, str]
+    deleted: list[str]
+    digest: str | None
+    error: str | None = None
+    elapsed_s: float | None = None  # on the host, from the request to the answer
+
+
+class CopyResult(FactsModel):
+    ok: bool
+    copied: list[str]
+    bytes: int
+    deleted: list[str]
+    digest: str | None
+    src_digest: str | None = None
+    origin: dict[str, Any] | None = None
+    failed: dict[str, str] = Field(default_factory=dict)
+    error: str | None = None
+
+
+class SendResult(FactsModel):
+    sent: list[str]
+    missing: list[str]
+
+
+class BuildResult(FactsModel):
+    ok: bool
+    built: bool = False
+    build: str | None = None
+    installer: str | None = None
+    seconds: float = 0.0
+    log: str | None = None
     error: str | None = None

@@ -18,6 +18,8 @@ import zlib
 from functools import cache
 from importlib import resources
 
+from dflashops.hosts.connection import host_word
+
 PACKAGE = "dflashops_agent"
 
 # Runs on the host (Python 3.9+). Modules are compiled only when imported, so a call pays for
@@ -77,13 +79,5 @@ def digest() -> str:
     return hashlib.sha256(bundle()).hexdigest()
 
 
-def python_word(python: str) -> str:
-    """The interpreter as a shell word: ``~/venv/bin/python3`` becomes ``"$HOME"/venv/...``
-    (a quoted ~ would not expand), a bare name is left to PATH, anything else is quoted."""
-    if python.startswith("~/"):
-        return '"$HOME"/' + shlex.quote(python[2:])
-    return shlex.quote(python)
-
-
 def command(python: str) -> str:
-    return f"{python_word(python)} -c {shlex.quote(LOADER.format(size=len(bundle())))}"
+    return f"{host_word(python)} -c {shlex.quote(LOADER.format(size=len(bundle())))}"

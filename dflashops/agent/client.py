@@ -10,6 +10,7 @@ that fail are not errors of the call: their results say ``ok: false`` and why.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -17,9 +18,14 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from dflashops.agent.answers import (
+    BuildResult,
+    CopyResult,
     HostFacts,
     ProbeResult,
     ProbeSpec,
+    ReceiveResult,
+    ScanResult,
+    SendResult,
     StartResult,
     StopResult,
     TailResult,
@@ -29,7 +35,7 @@ from dflashops.agent.answers import (
 )
 from dflashops.agent.bundle import bundle, command
 from dflashops.errors import HostError, TransferError
-from dflashops.hosts.connection import Connection, Result, tail
+from dflashops.hosts.connection import Connection, Input, Result, tail
 
 SCHEMA = 2  # what dflashops_agent.main answers with
 SLACK = 30.0  # on top of an action's own waits: interpreter start, /proc scans, the link
@@ -54,12 +60,31 @@ class Agent:
     # -- the call path ------------------------------------------------------------------------
 
     def call(
-        self, action: str, request: dict[str, Any], *, data: bytes = b"", timeout: float
+        self,
+        action: str,
+        request: dict[str, Any],
+        *,
+        data: Input = b"",
+        timeout: float,
+        frames: Frames | None = None,
     ) -> dict[str, Any]:
+        """Run one action. ``data`` follows the request on stdin (bytes or chunks made while
+        it runs); ``frames`` takes a streamed answer's files (``send``) as they come."""
         line = json.dumps({"action": action, **request}, separators=(",", ":")).encode()
-        result = self.conn.run(
-            command(self.python), input=bundle() + line + b"\n" + data, timeout=timeout, check=False
+        head = bundle() + line + b"\n"
+        stdin: Input = (
+            head + data if isinstance(data, bytes) else itertools.chain((head,), data or ())
         )
+        result = self.conn.run(
+            command(self.python),
+            input=stdin,
+            timeout=timeout,
+            check=False,
+            stdout=frames.feed if frames is not None else None,
+        )
+        if frames is not None:
+            frames.close()
+            result = Result(result.command, result.exit_code, frames.tail, result.stderr)
         return self.answer(action, result)
 
     def answer(self, action: str, result: Result) -> dict[str, Any]:
@@ -142,13 +167,20 @@ class Agent:
         *,
         imports: Sequence[str] = (),
         paths: Sequence[str] = (),
+        files: Sequence[dict[str, Any]] = (),
+        envs: Sequence[dict[str, Any]] = (),
+        env_imports: Sequence[dict[str, Any]] = (),
         timeout: float = 180.0,
     ) -> HostFacts:
-        """Everything about the host in one remote call."""
+        """Everything about the host in one remote call (files: [{key, dest, expect, src,
+        listing}], envs: [{name, path, hash}], env_imports: [{env, module, python}])."""
         request = {
             "workdir": workdir,
             "imports": list(imports),
             "paths": list(paths),
+            "files": list(files),
+            "envs": list(envs),
+            "env_imports": list(env_imports),
             # Imports and nvidia-smi run in parallel on the host; leave room for the rest.
             "import_timeout": max(1.0, min(120.0, timeout - 20.0)),
             "nvidia_smi_timeout": max(1.0, min(30.0, timeout / 2)),
@@ -262,6 +294,156 @@ class Agent:
                 self.host,
                 f"the host did not confirm the files it was sent (got {result.written!r})",
             )
+
+    # -- node state ---------------------------------------------------------------------------
+
+    def scan(
+        self,
+        workdir: str,
+        root: str | None,
+        *,
+        cache: str = "src",
+        job: str | None = None,
+        listing: bool = True,
+        timeout: float = 3600.0,
+    ) -> ScanResult:
+        """A tree's manifest on the host (hashing only what changed since the last scan)."""
+        request = {"workdir": workdir, "root": root, "cache": cache, "job": job, "listing": listing}
+        return self.validate(ScanResult, self.call("scan", request, timeout=timeout), "scan")
+
+    def receive(
+        self,
+        workdir: str,
+        dest: str,
+        files: Sequence[dict[str, Any]],
+        data: Input,
+        *,
+        delete: Sequence[str] = (),
+        need_bytes: int = 0,
+        timeout: float | None = None,
+    ) -> ReceiveResult:
+        """Stream ``files`` ([{rel, size, sha256, offset, mode}], their bytes from offset in
+        ``data``) into ``dest``; each verified and renamed on arrival."""
+        request = {
+            "workdir": workdir,
+            "dest": dest,
+            "files": list(files),
+            "delete": list(delete),
+            "need_bytes": need_bytes,
+        }
+        budget = timeout if timeout is not None else 600.0 + need_bytes / 20e6  # >= 20 MB/s
+        data_answer = self.call("receive", request, data=data, timeout=budget)
+        return self.validate(ReceiveResult, data_answer, "receive")
+
+    def send(
+        self,
+        workdir: str,
+        root: str,
+        files: Sequence[tuple[str, int]],
+        frames: Frames,
+        *,
+        timeout: float,
+    ) -> SendResult:
+        """Stream files (rel, offset) out of ``root`` on the host into ``frames``."""
+        request = {
+            "workdir": workdir,
+            "root": root,
+            "files": [{"rel": r, "offset": o} for r, o in files],
+        }
+        return self.validate(
+            SendResult, self.call("send", request, timeout=timeout, frames=frames), "send"
+        )
+
+    def copy(
+        self,
+        workdir: str,
+        dest: str,
+        *,
+        src: str | None = None,
+        hub: dict[str, Any] | None = None,
+        secrets: dict[str, str] | None = None,
+        delete: bool = False,
+        mode: int | None = None,
+        timeout: float = 6 * 3600.0,
+    ) -> CopyResult:
+        """Make ``dest`` hold what a host path (or a hub repo at a revision) holds."""
+        request = {
+            "workdir": workdir,
+            "dest": dest,
+            "src": src,
+            "hub": hub,
+            "secrets": secrets or {},
+            "delete": delete,
+            "mode": mode,
+            "hub_timeout": max(1.0, timeout - 60.0),
+        }
+        return self.validate(CopyResult, self.call("copy", request, timeout=timeout), "copy")
+
+    def build(
+        self, workdir: str, envs: Sequence[dict[str, Any]], *, timeout: float = 3600.0
+    ) -> dict[str, BuildResult]:
+        """Build environments (each once per content, switched in only when complete)."""
+        if not envs:
+            return {}
+        request = {"workdir": workdir, "envs": list(envs), "timeout": timeout}
+        data = self.call("build", request, timeout=timeout * len(envs) + SLACK)
+        built = data.get("envs")
+        if not isinstance(built, dict):
+            raise AgentError(self.host, "the build answer has no envs")
+        out = {name: self.validate(BuildResult, value, "build") for name, value in built.items()}
+        missing = [str(e["name"]) for e in envs if e["name"] not in out]
+        if missing:
+            raise AgentError(self.host, f"the build answer misses {', '.join(missing)}")
+        return out
+
+
+class Frames:
+    """A ``send`` answer as it streams: each file's header line and bytes go to the file that
+    ``open_file(header)`` returns (append mode, from the header's offset); what follows the
+    last file is the answer line."""
+
+    def __init__(self, open_file: Any) -> None:
+        self.open_file = open_file
+        self.buffer = bytearray()
+        self.current: Any = None
+        self.left = 0
+        self.tail = b""
+
+    def feed(self, data: bytes) -> None:
+        self.buffer += data
+        while self.buffer:
+            if self.current is not None:
+                take = min(self.left, len(self.buffer))
+                self.current.write(bytes(self.buffer[:take]))
+                del self.buffer[:take]
+                self.left -= take
+                if self.left == 0:
+                    self.current.close()
+                    self.current = None
+                continue
+            end = self.buffer.find(b"\n")
+            if end < 0:
+                return
+            line = bytes(self.buffer[: end + 1])
+            header = last_json_object(line.decode("utf-8", "replace").strip())
+            if header is None or "rel" not in header or "schema" in header:
+                self.tail += line  # the answer (or a login banner before the first file)
+                del self.buffer[: end + 1]
+                continue
+            del self.buffer[: end + 1]
+            self.current = self.open_file(header)
+            self.left = int(header["size"]) - int(header["offset"])
+            if self.left == 0:
+                self.current.close()
+                self.current = None
+
+    def close(self) -> None:
+        """The stream ended: a file cut short stays as it is (a partial, resumed next time)."""
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+        self.tail += bytes(self.buffer)
+        self.buffer.clear()
 
 
 def last_json_object(text: str) -> dict[str, Any] | None:

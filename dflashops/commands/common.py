@@ -18,6 +18,7 @@ from dflashops.config.inventory import Host
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
 from dflashops.lifecycle import HostRun, Options
+from dflashops.nodestate import NodeState
 from dflashops.output import escape
 from dflashops.plan import build_plan, topo_order
 from dflashops.preflight import Report, run_preflight
@@ -33,10 +34,20 @@ class Target:
     known: dict[str, set[str]] | None  # unit names the project defines per host (None: unknown)
     explicit_playbooks: bool = False  # -p narrowed the playbooks
     selection: Selection | None = field(default=None, repr=False)
+    nodes: dict[str, NodeState] = field(default_factory=dict)  # environments, files per host
+    peers: dict[str, Host] = field(default_factory=dict)  # every inventory host (relays)
 
     def run(self, host: Host, events: EventLog, opts: Options, board: Any = None) -> HostRun:
         known = None if self.known is None else self.known.get(host.name, set())
-        run = HostRun(host, self.rendered.get(host.name, []), events, opts, known=known)
+        run = HostRun(
+            host,
+            self.rendered.get(host.name, []),
+            events,
+            opts,
+            known=known,
+            node=self.nodes.get(host.name, NodeState()),
+            peers=self.peers,
+        )
         if board is not None:
             run.board = board
         return run
@@ -76,6 +87,8 @@ def prepare(
         project_units(out, selection, names),
         explicit_playbooks=bool(playbooks),
         selection=selection,
+        nodes={h: hp.node for h, hp in report.plan.hosts.items()} if report.plan else {},
+        peers=dict(inv),
     )
 
 

@@ -201,6 +201,24 @@ COMMANDS: tuple[Command, ...] = (
         ),
     ),
     Command(
+        "fetch",
+        "copy a host path to the controller, verified (sha256) and resumable",
+        "dflashops.commands.fetch:fetch",
+        (
+            Option("remote", (), "the path on the host", metavar="REMOTE", required=True),
+            Option("local", (), "where it goes on this machine", metavar="LOCAL", required=True),
+            INVENTORY,
+            Option(
+                "hosts",
+                ("--host",),
+                "the host (one)",
+                kind="list",
+                metavar="NAME",
+                required=True,
+            ),
+        ),
+    ),
+    Command(
         "schema",
         "print the JSON Schema of the inventory and playbook files, for editors",
         "dflashops.commands.preflight:schema",

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from dflashops.config.inventory import StrictModel
+from dflashops.config.nodestate import Environment, FileEntry
 from dflashops.config.types import FLAG_RE, Env, EnvName, Name, PathStr, Port, Seconds, Text
 
 Scalar = str | int | float | bool
@@ -78,6 +79,10 @@ class UnitBase(StrictModel):
     stop_grace: Annotated[
         Seconds, Field(description="Time between SIGTERM and SIGKILL when stopping ('30s').")
     ] = 30.0
+    environment: Annotated[
+        Name | None,
+        Field(description="Run with that environment's python (`environments:` of a playbook)."),
+    ] = None
 
     @model_validator(mode="after")
     def _env_disjoint(self) -> UnitBase:
@@ -210,7 +215,10 @@ class Job(UnitBase):
     ] = None
     needs: Annotated[
         list[Name],
-        Field(description="Units or services that must be ready before this job starts."),
+        Field(
+            description="Units or services that must be ready, or named files entries that must "
+            "be in place, before this job starts."
+        ),
     ] = Field(default_factory=list)
     restart_with: Annotated[
         list[Name],
@@ -246,6 +254,8 @@ class PlaybookHead(StrictModel):
     ] = Field(default_factory=dict)
     services: list[Any] = Field(default_factory=list)
     jobs: list[Any] = Field(default_factory=list)
+    environments: dict[str, Any] = Field(default_factory=dict)
+    files: list[Any] = Field(default_factory=list)
 
     @property
     def host_patterns(self) -> list[str]:
@@ -253,7 +263,16 @@ class PlaybookHead(StrictModel):
 
 
 class PlaybookFile(PlaybookHead):
-    """One playbook: services and jobs for a set of hosts."""
+    """One playbook: environments, files, services and jobs for a set of hosts."""
+
+    environments: Annotated[
+        dict[Name, Environment],
+        Field(description="Python environments units run in, by name (built before files)."),
+    ] = Field(default_factory=dict)
+    files: Annotated[
+        list[FileEntry],
+        Field(description="Content that must be on the hosts (synced before services)."),
+    ] = Field(default_factory=list)
 
     services: Annotated[list[Service], Field(description="Long-running servers.")] = Field(
         default_factory=list
@@ -269,4 +288,9 @@ class PlaybookFile(PlaybookHead):
             if unit.name in seen:
                 raise ValueError(f"two services or jobs are named {unit.name!r}")
             seen.add(unit.name)
+        for entry in self.files:
+            if entry.name is not None and entry.name in seen:
+                raise ValueError(f"{entry.name!r} names both a files entry and a unit or entry")
+            if entry.name is not None:
+                seen.add(entry.name)
         return self

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflashops.config.playbook import CommandService, Job, ModelService, VllmService
 from dflashops.engines.base import (
     HOST_PREFIX,
+    EnvPython,
     HostPath,
     Launch,
     ShippedFile,
@@ -15,13 +17,15 @@ from dflashops.engines.base import (
     resolve_file,
     to_flags,
 )
-from dflashops.plan import Unit
+
+if TYPE_CHECKING:
+    from dflashops.plan import Unit
 
 
 def launch_for(unit: Unit) -> Launch:
     """The argv and files of a unit. Problems (a missing script) come back in ``Launch.problems``."""
     spec = unit.spec
-    python = HostPath(unit.host.python)
+    python: Token = EnvPython(unit.env.path) if unit.env else HostPath(unit.host.python)
     if isinstance(spec, Job):
         return _job(unit, spec, python)
     if isinstance(spec, CommandService):

@@ -50,7 +50,15 @@ class HostPath:
     path: str
 
 
-Token = str | WorkPath | HostPath
+@dataclass(frozen=True)
+class EnvPython:
+    """The python of an environment, resolved when the unit starts: PATH links to the current
+    build, and the unit keeps the build it started with however PATH moves later."""
+
+    path: str
+
+
+Token = str | WorkPath | HostPath | EnvPython
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from dflashops.hosts.connection import Command, Result
+from dflashops.hosts.connection import Command, Input, Result, Sink
 
 
 class BaseConnection(ABC):
@@ -16,9 +16,10 @@ class BaseConnection(ABC):
         self,
         command: Command,
         *,
-        input: bytes | None = None,
+        input: Input = None,
         timeout: float | None = 60.0,
         check: bool = True,
+        stdout: Sink | None = None,
     ) -> Result: ...
 
     @abstractmethod

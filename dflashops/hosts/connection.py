@@ -9,13 +9,29 @@ of its output, so no caller can mistake silence for success.
 from __future__ import annotations
 
 import shlex
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from dflashops.errors import HostError
 
 Command = str | Sequence[str]
+# stdin: bytes, or chunks produced while the command runs (a large transfer never sits whole in
+# memory); stdout: returned whole, or handed chunk by chunk to a sink as it arrives.
+Input = bytes | Iterable[bytes] | None
+Sink = Callable[[bytes], None]
+
+
+def chunks(data: Input) -> Iterable[bytes]:
+    if data is None:
+        return ()
+    return (data,) if isinstance(data, bytes) else data
+
+
+def host_word(path: str) -> str:
+    """A host path as one shell word: ``~/x`` expands to the home of the user running it (a
+    quoted ~ would not), anything else is quoted as it is (a bare name is left to PATH)."""
+    return '"$HOME"/' + shlex.quote(path[2:]) if path.startswith("~/") else shlex.quote(path)
 
 
 def as_shell(command: Command) -> str:
@@ -71,9 +87,10 @@ class Connection(Protocol):
         self,
         command: Command,
         *,
-        input: bytes | None = None,
+        input: Input = None,
         timeout: float | None = 60.0,
         check: bool = True,
+        stdout: Sink | None = None,
     ) -> Result: ...
 
     def close(self) -> None: ...

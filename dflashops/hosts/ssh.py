@@ -20,7 +20,16 @@ from fabric import Connection as FabricConnection
 from dflashops.config.inventory import Host
 from dflashops.errors import HostError
 from dflashops.hosts.base import BaseConnection
-from dflashops.hosts.connection import Command, CommandError, CommandTimeout, Result, as_shell
+from dflashops.hosts.connection import (
+    Command,
+    CommandError,
+    CommandTimeout,
+    Input,
+    Result,
+    Sink,
+    as_shell,
+    chunks,
+)
 from dflashops.hosts.hostkeys import (
     ChangedHostKey,
     KnownKey,
@@ -55,10 +64,27 @@ def _prepare_keys(conn: FabricConnection, host: Host, pinned: str | None) -> lis
     return known
 
 
+# AES-GCM first: paramiko's default order puts CTR first, and GCM moved 2x the bytes per
+# second over loopback here (385 against 196 MB/s); hosts without it still negotiate CTR.
+_DEFAULT_CIPHERS: tuple[str, ...] = getattr(paramiko.Transport, "_preferred_ciphers", ())
+GCM_FIRST = tuple(sorted(_DEFAULT_CIPHERS, key=lambda c: "gcm" not in c))  # stable: order kept
+
+
+def transport_factory(*args: Any, **kwargs: Any) -> paramiko.Transport:
+    transport = paramiko.Transport(*args, **kwargs)
+    if GCM_FIRST:
+        transport.get_security_options().ciphers = GCM_FIRST
+    return transport
+
+
 def fabric_connection(host: Host, timeout: float = CONNECT_TIMEOUT) -> FabricConnection:
     assert host.address is not None  # the inventory loader guarantees it for ssh hosts
     # A port that accepts TCP but never speaks SSH must fail in `timeout`, not paramiko's 15 s+.
-    connect_kwargs: dict[str, Any] = {"banner_timeout": timeout, "auth_timeout": timeout}
+    connect_kwargs: dict[str, Any] = {
+        "banner_timeout": timeout,
+        "auth_timeout": timeout,
+        "transport_factory": transport_factory,
+    }
     if host.key_file:
         connect_kwargs["key_filename"] = [str(Path(host.key_file).expanduser())]
     return FabricConnection(
@@ -134,9 +160,10 @@ class SshConnection(BaseConnection):
         self,
         command: Command,
         *,
-        input: bytes | None = None,
+        input: Input = None,
         timeout: float | None = 60.0,
         check: bool = True,
+        stdout: Sink | None = None,
     ) -> Result:
         self.open()
         shell = as_shell(command)
@@ -148,7 +175,7 @@ class SshConnection(BaseConnection):
             channel = transport.open_session(timeout=self.timeout)
             channel.exec_command(shell)
             self._send(channel, input)
-            stdout, stderr = self._collect(channel, shell, timeout)
+            out, err = self._collect(channel, shell, timeout, stdout)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise HostError(
                 self.host,
@@ -160,33 +187,39 @@ class SshConnection(BaseConnection):
             raise HostError(
                 self.host, f"connection to {self.where} lost: no exit status for {shell[:120]!r}"
             )
-        result = Result(shell, code, stdout, stderr)
+        result = Result(shell, code, out, err)
         if check and code != 0:
             raise CommandError(self.host, result)
         return result
 
-    def _send(self, channel: paramiko.Channel, data: bytes | None) -> None:
-        """Send stdin. A command that exits early (a full disk, a failed check) closes the
-        channel under us: its exit status and stderr are its answer, not a lost connection.
-        (As with a local pipe, input it never read is simply dropped.)"""
-        sent = 0
+    def _send(self, channel: paramiko.Channel, data: Input) -> None:
+        """Send stdin (all of it before reading output: the agent answers only at its end).
+        A command that exits early (a full disk, a failed check) closes the channel under us:
+        its exit status and stderr are its answer, not a lost connection. (As with a local
+        pipe, input it never read is simply dropped.)"""
         try:
-            while data and sent < len(data):
-                sent += channel.send(data[sent : sent + (1 << 16)])
+            for chunk in chunks(data):
+                sent = 0
+                while sent < len(chunk):
+                    sent += channel.send(chunk[sent : sent + (1 << 16)])
             channel.shutdown_write()
         except OSError:
             if not channel.exit_status_ready() and not channel.closed:
                 raise
 
     def _collect(
-        self, channel: paramiko.Channel, shell: str, timeout: float | None
+        self, channel: paramiko.Channel, shell: str, timeout: float | None, sink: Sink | None
     ) -> tuple[bytes, bytes]:
         out, err = bytearray(), bytearray()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             got = False
             while channel.recv_ready():
-                out += channel.recv(1 << 16)
+                data = channel.recv(1 << 16)
+                if sink is None:
+                    out += data
+                else:
+                    sink(data)
                 got = True
             while channel.recv_stderr_ready():
                 err += channel.recv_stderr(1 << 16)

@@ -13,9 +13,12 @@ from dflashops.config.inventory import Host
 from dflashops.config.playbook import ModelService, VllmService
 from dflashops.engines.base import HOST_PREFIX
 from dflashops.hosts import connect
+from dflashops.nodestate import local_scan
 from dflashops.plan import HostPlan, Plan, Unit
 from dflashops.preflight.offline import Check, Report
 from dflashops.run import on_hosts
+from dflashops.stage import envs_request, files_request
+from dflashops.transfer import diff, human, listing, space_problem
 
 ENGINE_MODULES = {"sglang": "sglang", "vllm": "vllm"}
 MIN_FREE_BYTES = 1 << 30  # below this a deploy would fail on its first write
@@ -32,6 +35,7 @@ def host_paths(units: list[Unit]) -> list[str]:
             isinstance(spec, ModelService)
             and spec.engine != "stub"
             and spec.model.startswith(("/", "~"))
+            and not u.content  # a files dest: deploy puts it there first
         ):
             paths.append(spec.model)
         if (
@@ -44,14 +48,26 @@ def host_paths(units: list[Unit]) -> list[str]:
 
 
 def gather(host_plan: HostPlan) -> HostFacts:
+    """One facts call: the host, its engines' imports (with each unit's environment python when
+    it has one), its model paths, the environments' builds and the files entries' dests."""
     host = host_plan.host
-    imports = sorted(
-        {ENGINE_MODULES[u.engine] for u in host_plan.units if u.engine in ENGINE_MODULES}
-    )
+    engines = [u for u in host_plan.units if u.engine in ENGINE_MODULES]
+    imports = sorted({ENGINE_MODULES[u.engine] for u in engines if u.env is None})
+    env_imports = {
+        (u.env.name, ENGINE_MODULES[u.engine]): u.env.path for u in engines if u.env is not None
+    }
     conn = connect(host)
     try:
         return Agent(conn, host.python).facts(
-            host.workdir, imports=imports, paths=host_paths(host_plan.units)
+            host.workdir,
+            imports=imports,
+            paths=host_paths(host_plan.units),
+            files=files_request(host_plan.node),
+            envs=envs_request(host_plan.node),
+            env_imports=[
+                {"env": env, "module": module, "python": f"{path}/bin/python"}
+                for (env, module), path in sorted(env_imports.items())
+            ],
         )
     finally:
         conn.close()
@@ -64,6 +80,8 @@ def live_checks(host_plan: HostPlan, facts: HostFacts) -> list[Check]:
     checks.append(_disk(host, facts))
     checks.append(_python(host, facts))
     for module, result in sorted(facts.imports.items()):
+        if "/" in module:
+            continue  # an engine in an environment: _env_imports
         if result.ok:
             checks.append(
                 Check("live-engines", f"{host.name}/{module}", True, result.version or "")
@@ -78,6 +96,8 @@ def live_checks(host_plan: HostPlan, facts: HostFacts) -> list[Check]:
                     f"[{host.name}] `{host.python} -c 'import {module}'` fails: {detail[0]}",
                 )
             )
+    checks.extend(_env_imports(host_plan, facts))
+    checks.extend(_files(host_plan, facts))
     for path, found in sorted(facts.paths.items()):
         ok = found.exists
         checks.append(
@@ -89,6 +109,93 @@ def live_checks(host_plan: HostPlan, facts: HostFacts) -> list[Check]:
             )
         )
     checks.extend(_ports(host_plan.units, facts))
+    return checks
+
+
+def _env_imports(host_plan: HostPlan, facts: HostFacts) -> list[Check]:
+    """An engine that an environment provides is checked in that environment, once it is
+    built; before that, deploy builds it first, so it is not a failure."""
+    host = host_plan.host.name
+    checks = []
+    for key, result in sorted(facts.imports.items()):
+        if "/" not in key:
+            continue
+        env, module = key.split("/", 1)
+        state = facts.envs.get(env)
+        subject = f"{host}/{module}@{env}"
+        if state is None or state.state != "ok":
+            checks.append(
+                Check(
+                    "live-engines",
+                    subject,
+                    True,
+                    f"provided by environment {env}, which deploy builds first",
+                )
+            )
+        elif result.ok:
+            checks.append(Check("live-engines", subject, True, result.version or ""))
+        else:
+            detail = (result.error or "").strip().splitlines()[-1:] or ["no output"]
+            checks.append(
+                Check(
+                    "live-engines",
+                    subject,
+                    False,
+                    f"[{host}] environment {env} is built but `import {module}` fails in it: {detail[0]}",
+                )
+            )
+    return checks
+
+
+def _files(host_plan: HostPlan, facts: HostFacts) -> list[Check]:
+    """Every files entry: a same-host source exists, and each dest has room for what is
+    still to be written (controller sources: exactly; same-host sources: their size)."""
+    checks = []
+    for f in host_plan.node.files:
+        state = facts.files.get(f.key)
+        subject = f"{f.host.name}:{f.dest}"
+        if state is None:
+            checks.append(
+                Check(
+                    "live-files",
+                    subject,
+                    False,
+                    f"[{f.host.name}] {f.label}: facts did not report it",
+                )
+            )
+            continue
+        if f.kind == "host" and state.src is not None and not state.src.exists:
+            checks.append(
+                Check(
+                    "live-files",
+                    subject,
+                    False,
+                    f"[{f.host.name}] {f.label}: the source {f.src} does not exist on the host",
+                )
+            )
+            continue
+        need = 0
+        if (
+            f.kind == "controller"
+            and f.local is not None
+            and state.digest != (scanned := local_scan(f.local))["digest"]
+        ):
+            need = diff(
+                listing(scanned["files"]), listing(state.files), state.parts or {}, f.entry.delete
+            ).bytes
+        elif f.kind == "host" and state.src is not None and state.src.digest != state.digest:
+            need = state.src.bytes
+        problem = space_problem(need, state, f.dest)
+        checks.append(
+            Check(
+                "live-files",
+                subject,
+                problem is None,
+                f"[{f.host.name}] {f.label}: {problem}"
+                if problem
+                else f"{human(need)} to write, {human(state.free.free_bytes)} free",
+            )
+        )
     return checks
 
 

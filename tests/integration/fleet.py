@@ -350,6 +350,9 @@ class FleetHost:
             "HOME": str(self.home_dir),
             "PYTHONPATH": str(repo / "tests/fakes/pylib"),
             "FAKE_GPU_STATE": str(self.gpu_dir),
+            # No package index for environments built on test hosts: only the tests' wheels.
+            "PIP_NO_INDEX": "1",
+            "UV_OFFLINE": "1",
         }
 
     def log_text(self) -> str:

@@ -16,6 +16,7 @@ import yaml
 from fleet import FleetFactory
 
 from dflashops.cli import main
+from tests.wheels import build_wheel
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "hf_very_secret_token_value"
@@ -53,14 +54,25 @@ def test_generation_playbooks_end_to_end(
     monkeypatch.setenv("DFLASHOPS_KNOWN_HOSTS", str(tmp_path / "known_hosts"))
     monkeypatch.setenv("HF_TOKEN", SECRET)
     model = tmp_path / "shm" / "Qwen3.6-27B"
-    model.mkdir(parents=True)
+    disk = host.dir / "disk" / "Qwen3.6-27B"  # the node's disk: staged into the "RAM disk"
+    disk.mkdir(parents=True)
+    (disk / "config.json").write_text('{"model_type": "qwen3"}\n')
     output = tmp_path / "completions"
 
     ops = tmp_path / "ops"
     (ops / "playbooks").mkdir(parents=True)
+    (ops / "wheels").mkdir()
     fleet.write_inventory(ops / "inventory.yaml", groups={"generation": ["b200"]})
     serve: dict[str, Any] = yaml.safe_load((REPO / "playbooks" / "serve-sglang.yaml").read_text())
     serve["vars"]["model"] = str(model)
+    # The playbook's own environment and model source, pointed at the test host: a wheel
+    # instead of sglang from PyPI (no index here), the model from the fake node's disk.
+    build_wheel(ops / "wheels", "dfotest", "1.0")
+    serve["environments"]["sglang"].update(
+        path=str(host.dir / "venv-sglang"), packages=["dfotest==1.0"], wheels="../wheels"
+    )
+    assert serve["files"][0]["src"].startswith("host:/workspace/models/")
+    serve["files"][0]["src"] = f"host:{disk}"
     sglang = serve["services"][0]
     sglang.update(
         replicas=3,

@@ -5,7 +5,6 @@ status, a second deploy is all ok, stop cleans up and keeps the logs."""
 from __future__ import annotations
 
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -15,19 +14,7 @@ import yaml
 
 from dflashops.cli import main
 from tests.conftest import REPO
-
-
-def free_base_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        try:
-            with socket.socket() as t:
-                t.bind(("127.0.0.1", base + 1))
-            return base
-        except OSError:
-            continue
+from tests.procs import free_ports
 
 
 def test_local_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -38,8 +25,10 @@ def test_local_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
         yaml.safe_dump({"hosts": {"local": local}, "groups": {"demo": ["local"]}})
     )
     demo: dict[str, Any] = yaml.safe_load((REPO / "playbooks" / "demo.yaml").read_text())
-    demo["services"][0]["port"] = free_base_port()
-    demo["jobs"][0]["args"]["prompts"] = str(REPO / "examples" / "demo-prompts.jsonl")
+    demo["services"][0]["port"] = free_ports(2)
+    # The copy lives elsewhere: its controller paths point back into the repo.
+    demo["environments"]["demo"]["wheels"] = str(REPO / "examples" / "wheels")
+    demo["files"][0]["src"] = str(REPO / "examples" / "demo-prompts.jsonl")
     (tmp_path / "playbooks" / "demo.yaml").write_text(yaml.safe_dump(demo))
     common = ["-i", str(tmp_path / "inventory.yaml")]
 
@@ -52,6 +41,7 @@ def test_local_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     try:
         out = cli("deploy", "--host", "local")
         assert "stub-0 ready and verified" in out and "generate started" in out
+        assert "environment demo built with" in out and "files prompts -> " in out
         rows: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -65,7 +55,8 @@ def test_local_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
             time.sleep(0.3)
         assert rows["generate"]["state"] == "done" and rows["generate"]["progress"] == "40/40", rows
         again = cli("deploy", "--host", "local")
-        assert "changed:" not in again and "ok=3 changed=0 failed=0" in again
+        # 3 units, the environment and the prompts entry: all ok, nothing moved or rebuilt.
+        assert "changed:" not in again and "ok=5 changed=0 failed=0" in again
     finally:
         stopped = cli("stop", "--host", "local")
     assert "stub-0 stopped" in stopped and "stub-1 stopped" in stopped
@@ -73,3 +64,6 @@ def test_local_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert list((workdir / "units" / "stub-0" / "logs").glob("*.log"))
     completions = workdir / "units" / "generate" / "completions"
     assert sum(1 for shard in completions.glob("completions-*.jsonl") for _ in shard.open()) == 40
+    assert (workdir / "venv-demo").is_symlink() and (
+        workdir / "data" / "demo-prompts.jsonl"
+    ).is_file()

@@ -74,14 +74,19 @@ def test_repo_playbook_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     vllm = scripts["vllm-0"]
     assert "export CUDA_VISIBLE_DEVICES=0,1\n" in vllm
     assert "vllm-0 " in vllm and " vllm 2 1 8000 0,1 " in vllm  # banner: engine tp dp port gpus
+    # vLLM runs in the playbook's vLLM + speculators environment, resolved when it starts.
+    assert 'VIRTUAL_ENV="$(readlink -f -- /root/venv-vllm)"' in vllm
     assert (
-        "exec /root/venv/bin/python3 /workspace/speculators/scripts/launch_vllm.py "
+        'exec "${VIRTUAL_ENV:?the unit environment is not set}"/bin/python '
+        "/workspace/speculators/scripts/launch_vllm.py "
         "/workspace/models/Qwen3.6-27B --hidden-states-path /workspace/hidden_states "
         "--target-layer-ids 2 32 61 -- --host 127.0.0.1 --port 8000 "
         "--tensor-parallel-size 2 --data-parallel-size 1 "
     ) in vllm
     assert "export CUDA_VISIBLE_DEVICES=4,5,6,7\n" in scripts["train"]
     assert "exec torchrun --standalone --nproc_per_node 4 " in scripts["train"]
+    assert 'export VIRTUAL_ENV PATH="$VIRTUAL_ENV/bin:$PATH"' in scripts["train"]  # its torchrun
+    assert "--data-path /workspace/dflash/data/completions " in scripts["train"]
     assert "export CUDA_VISIBLE_DEVICES=''\n" in scripts["monitor"]
     assert "/monitor.py --watch /workspace/checkpoints/dflash --interval 60" in scripts["monitor"]
 

@@ -125,6 +125,17 @@ def unit_name(value: Any, what: str) -> str:
     return value
 
 
+def host_path(request: Json, key: str, optional: bool = False) -> str | None:
+    """``request[key]`` as an absolute path here (``~`` expanded); BadRequest otherwise."""
+    value = request.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not os.path.isabs(os.path.expanduser(value)):
+        raise BadRequest(f"{key} must be an absolute path")
+    request[key] = os.path.abspath(os.path.expanduser(value))
+    return str(request[key])
+
+
 def unit_list(request: Json) -> list[Json]:
     """``request["units"]``: objects with distinct valid names."""
     units = request.get("units")

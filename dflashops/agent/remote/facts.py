@@ -14,13 +14,14 @@ one odd unit never hides the others. ``secrets.env`` files are never opened.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
 import time
 from typing import Any, Callable
 
-from . import gpu, logs, ownership, procfs
+from . import build, gpu, logs, ownership, procfs, tree
 from .common import (
     TMP_MARK,
     BadRequest,
@@ -30,9 +31,11 @@ from .common import (
     number,
     read_json_object,
     sha256_file,
+    which,
 )
 
 PROGRESS_MAX = 64 * 1024
+HASH_BUDGET = 1 << 30  # bytes facts may hash per call (a hand-edited tree): past it, "unknown"
 VERSION_MARK = "__dflashops_version__="
 IMPORT_CODE = (
     "import sys\n"
@@ -49,6 +52,10 @@ def check(request: Json) -> None:
         value = request.setdefault(key, [])
         if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
             raise BadRequest(f"{key} must be a list of strings")
+    for key in ("files", "envs", "env_imports"):
+        value = request.setdefault(key, [])
+        if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
+            raise BadRequest(f"{key} must be a list of objects")
     for key, default in (("import_timeout", 120), ("nvidia_smi_timeout", 30)):
         request[key] = number(request.get(key, default), key, 0.1)
 
@@ -64,14 +71,14 @@ def section(errors: Json, name: str, default: Any, fn: Callable[[], Any]) -> Any
 # ----------------------------------------------------------------------------------- imports
 
 
-def check_import(module: str, timeout: float) -> Json:
+def check_import(module: str, timeout: float, python: str | None = None) -> Json:
     import subprocess
 
     start = time.monotonic()
     out: Json = {"ok": False, "version": None, "error": None, "seconds": 0.0}
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-c", IMPORT_CODE, module],
+            [python or sys.executable, "-c", IMPORT_CODE, module],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -102,23 +109,24 @@ def check_import(module: str, timeout: float) -> Json:
     return out
 
 
-def gather_imports(modules: list[str], timeout: float) -> dict[str, Json]:
+def gather_imports(wanted: list[tuple[str, str, str]], timeout: float) -> dict[str, Json]:
+    """key -> import check, for each (key, module, python) in ``wanted``, all at once."""
     import threading
 
     results: dict[str, Json] = {}
 
-    def one(name: str) -> None:
+    def one(key: str, module: str, python: str) -> None:
         try:
-            results[name] = check_import(name, timeout)
+            results[key] = check_import(module, timeout, python)
         except Exception as exc:
-            results[name] = {"ok": False, "version": None, "error": describe(exc), "seconds": 0.0}
+            results[key] = {"ok": False, "version": None, "error": describe(exc), "seconds": 0.0}
 
-    threads = [threading.Thread(target=one, args=(m,), daemon=True) for m in modules]
+    threads = [threading.Thread(target=one, args=w, daemon=True) for w in wanted]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {m: results[m] for m in modules}
+    return {key: results[key] for key, _, _ in wanted}
 
 
 # ------------------------------------------------------------------------------------- units
@@ -191,19 +199,34 @@ def read_payloads(workdir: str) -> dict[str, str]:
     return out
 
 
-def disk_at(path: str) -> Json:
-    """Free and total bytes of the filesystem that holds ``path`` (or its nearest ancestor)."""
-    while not os.path.exists(path):
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    st = os.statvfs(path)
-    return {
-        "path": path,
-        "free_bytes": st.f_bavail * st.f_frsize,
-        "total_bytes": st.f_blocks * st.f_frsize,
-    }
+def file_states(workdir: str, entries: list[Json]) -> dict[str, Json]:
+    """Per files entry: its dest (and a host source's) digest from the manifests, listings
+    only where dest does not hold what is expected, free space at dest."""
+    out: dict[str, Json] = {}
+    for e in entries:
+        dest = os.path.abspath(os.path.expanduser(str(e["dest"])))
+        found = tree.scan(dest, tree.cache_path(workdir, "dest", dest), HASH_BUDGET)
+        state: Json = {"exists": found["exists"], "digest": found["digest"], "src": None}
+        state["free"] = tree.free_bytes(dest)
+        if e.get("src"):
+            src = os.path.abspath(os.path.expanduser(str(e["src"])))
+            scanned = tree.scan(src, tree.cache_path(workdir, "src", src), HASH_BUDGET)
+            state["src"] = {"exists": scanned["exists"], "digest": scanned["digest"]}
+            state["src"]["bytes"] = sum(size for size, _ in scanned["files"].values())
+        expect = e.get("expect") or (state["src"] or {}).get("digest")
+        if e.get("listing") and (expect is None or expect != found["digest"]):
+            state["files"], state["parts"] = found["files"], found["parts"]
+        try:
+            with open(tree.cache_path(workdir, "origin", dest)) as f:
+                state["origin"] = json.load(f)
+        except (OSError, ValueError):
+            state["origin"] = None
+        out[str(e.get("key") or dest)] = state
+    return out
+
+
+def env_states(envs: list[Json]) -> dict[str, Json]:
+    return {str(e["name"]): build.state(str(e["path"]), str(e["hash"])) for e in envs}
 
 
 def path_checks(paths: list[str]) -> dict[str, Json]:
@@ -221,7 +244,11 @@ def run(request: Json) -> Json:
     started = time.monotonic()
     errors: Json = {}
     workdir = request["workdir"]
-    imports = list(dict.fromkeys(request["imports"]))
+    imports = [(m, m, sys.executable) for m in dict.fromkeys(request["imports"])]
+    imports += [
+        (f"{e['env']}/{e['module']}", str(e["module"]), os.path.expanduser(str(e["python"])))
+        for e in request["env_imports"]
+    ]
     import_timeout, smi_timeout = request["import_timeout"], request["nvidia_smi_timeout"]
 
     # The slow parts (nvidia-smi, imports) run in threads while this one reads /proc and files.
@@ -256,7 +283,7 @@ def run(request: Json) -> Json:
         "workdir": workdir,
         "workdir_exists": os.path.isdir(workdir),
     }
-    facts["disk"] = section(errors, "disk", None, lambda: disk_at(workdir))
+    facts["disk"] = section(errors, "disk", None, lambda: tree.free_bytes(workdir))
     facts["units"] = section(errors, "units", {}, lambda: read_units(workdir, boot, errors))
     listening = section(errors, "listening", [], procfs.listeners)
     inodes = {entry["inode"] for entry in listening if entry["inode"]}
@@ -266,6 +293,9 @@ def run(request: Json) -> Json:
     facts["listening"] = listening
     facts["payloads"] = section(errors, "payloads", {}, lambda: read_payloads(workdir))
     facts["paths"] = section(errors, "paths", {}, lambda: path_checks(request["paths"]))
+    facts["files"] = section(errors, "files", {}, lambda: file_states(workdir, request["files"]))
+    facts["envs"] = section(errors, "envs", {}, lambda: env_states(request["envs"]))
+    facts["tools"] = {name: which(name) for name in ("uv", "hf")}
     for t in threads:
         t.join()
     facts["gpus"] = slow["gpus"]

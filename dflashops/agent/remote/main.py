@@ -18,7 +18,19 @@ from typing import Any
 from .common import BadRequest, Json
 
 SCHEMA = 2
-ACTIONS = ("facts", "start", "stop", "probe", "tail", "write")
+ACTIONS = (
+    "facts",
+    "start",
+    "stop",
+    "probe",
+    "tail",
+    "write",
+    "scan",
+    "receive",
+    "send",
+    "copy",
+    "build",
+)
 
 
 def parse(line: bytes) -> Json:
@@ -48,7 +60,9 @@ def handle(request: Json, stdin: Any) -> Json:
     module = importlib.import_module(f"{__package__}.{action}")
     module.check(request)
     answer: Json = {"schema": SCHEMA, "action": action}
-    answer.update(module.run(request, stdin) if action == "write" else module.run(request))
+    # Actions whose data follows the request on stdin take it as a second argument.
+    takes_data = action in ("write", "receive")
+    answer.update(module.run(request, stdin) if takes_data else module.run(request))
     return answer
 
 
