@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up and run the embedded default: the local host (connection: local, no SSH, no GPU) with
 # two stub servers (the CPU stand-in for SGLang) and the completions generator from
-# playbooks/demo.yaml. Deploys, waits for the generation job, shows status, then stops it all.
+# playbooks/demo.yaml. Deploys (a Python environment, the prompts, the servers under their
+# supervisors, the job), waits for the generation job, shows status and one frame of `top`, then
+# stops it all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
@@ -17,6 +19,7 @@ print(next((r["state"] for r in rows if r.get("unit")=="generate"),"?"))')
     sleep 1
 done
 $D status --host local
+$D top --once --host local
 $D logs generate --host local --lines 3
 $D stop --host local
 [[ "$state" == "done" ]]

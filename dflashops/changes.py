@@ -115,6 +115,9 @@ def _change(r: Rendered, facts: HostFacts, rerun: bool, content: dict[str, str |
     old = uf.fingerprint if uf else None
     same = old == r.fingerprint
     if uf is not None and uf.running:
+        if uf.supervisor is not None and uf.supervisor.restarting and same:
+            # Crashed, and waiting out its backoff: deploy need not wait for it.
+            return Change(r, "restart", "crashed, in its supervisor's backoff", old, missing)
         if not same:
             was = old[:12] if old else "unknown"
             return Change(r, "restart", f"fingerprint {was} -> {r.short}", old, missing)

@@ -10,6 +10,7 @@ defines for the host, see orphans.py) are named, block only what they hold, and 
 from __future__ import annotations
 
 import difflib
+import hashlib
 import json
 import os
 import shlex
@@ -32,6 +33,7 @@ from dflashops.nodestate import NodeState
 from dflashops.orphans import Orphan, blocking, find, ways_out
 from dflashops.render import Rendered
 from dflashops.stage import Stage, envs_request, files_request
+from dflashops.supervision import policy, restart_policy
 
 Board = Callable[[str, str], None]  # host, text: the live progress line (no-op off a terminal)
 
@@ -168,6 +170,7 @@ class HostRun:
         self._ship(
             [c for c in changes if c.action == "ship" or (c.action == "start" and c in runnable)],
             payloads=changes,
+            extra=self._notify(facts),
         )
         self._stop(restarts)
         self._ship([c for c in restarts if c.name not in self.failed])
@@ -178,6 +181,52 @@ class HostRun:
             {c.name: c for c in changes},
         )
         self._run_jobs([c for c in changes if c.rendered.unit.kind == "job"], facts)
+
+    def _notify(self, facts: HostFacts) -> list[tuple[bytes, str, int]]:
+        """The host's webhook, as WORKDIR/notify.json (0600), when it is not there already:
+        supervisors read it when they restart a unit. The URL is a secret: redacted."""
+        spec = self.host.webhook
+        url = spec
+        if spec is not None and spec.startswith("env:"):
+            url = os.environ.get(spec[4:])
+            if not url:
+                self.emit(
+                    None,
+                    "failed",
+                    "notify",
+                    f"notify: {spec[4:]} is not set on the controller, so restarts on this host are not reported: set it (or remove notify) and deploy again",
+                    entry="notify",
+                )
+                self.failed.add("notify")
+                return []
+        body = (json.dumps({"webhook": url, "host": self.host.name}) if url else "{}").encode()
+        if facts.notify_sha256 == hashlib.sha256(body).hexdigest() or (
+            not url and facts.notify_sha256 is None
+        ):
+            return []
+        if url:
+            self.events.add_secrets([url])
+        if self.opts.check:
+            self.emit(
+                None,
+                "changed",
+                "notify",
+                "notify: would set the host's webhook"
+                if url
+                else "notify: would clear the host's webhook",
+                entry="notify",
+            )
+            return []
+        self.emit(
+            None,
+            "changed",
+            "notify",
+            "notify: the host reports restarts to its webhook"
+            if url
+            else "notify: webhook removed",
+            entry="notify",
+        )
+        return [(body, f"{self.workdir}/notify.json", 0o600)]
 
     def _content(self, stage: Stage) -> dict[str, dict[str, str | None]]:
         """What each unit's files entries hold now (or, with --check, will hold)."""
@@ -286,14 +335,21 @@ class HostRun:
             if diff:
                 self.events.console.print(self.events.redact(diff), markup=False, highlight=False)
 
-    def _ship(self, changes: list[Change], payloads: list[Change] | None = None) -> None:
+    def _ship(
+        self,
+        changes: list[Change],
+        payloads: list[Change] | None = None,
+        extra: list[tuple[bytes, str, int]] | None = None,
+    ) -> None:
         """One verified round trip for every file of this step: the payloads ``payloads`` lack
-        on the host, then each unit's launch.sh, unit.json and (0600) secrets.env."""
+        on the host, then each unit's launch.sh, unit.json and (0600) secrets.env (and
+        ``extra``: the host's notify.json when it changed)."""
         self.check_abort()
         missing = {f.remote: f for c in payloads or [] for f in c.missing_payloads}.values()
         files = [(f.local.read_bytes(), f"{self.workdir}/{f.remote}", 0o755) for f in missing]
         for c in changes:
             files.extend(self._unit_files(c))
+        files.extend(extra or [])
         self.agent.write(self.workdir, files)
         for f in missing:
             self.emit(None, "changed", "ship", f"shipped {f.name} ({f.sha256[:12]})")
@@ -520,12 +576,21 @@ class HostRun:
         if p is None:
             self.fail(name, "ready", "the probe returned nothing for this unit")
             return True
-        if not (p.alive and p.ours):
+        restarting = p.supervisor is not None and p.supervisor.restarting
+        if not (p.alive and p.ours) or restarting:
             code = (
                 f"exit code {p.exit.code}" if p.exit and p.exit.code is not None else "no exit code"
             )
             log = "\n".join(f"    {line}" for line in (p.log_tail or [])) or "    (log is empty)"
-            self.fail(name, "ready", f"died while starting ({code}); last lines of its log:\n{log}")
+            then = ""
+            if restarting and p.supervisor is not None:
+                then = (
+                    f"; its supervisor restarts it ({restart_policy(r.unit)}, in "
+                    f"{p.supervisor.next_start_in or 0:g}s): `dflashops stop --unit {name}` ends that"
+                )
+            self.fail(
+                name, "ready", f"died while starting ({code}){then}; last lines of its log:\n{log}"
+            )
             return True
         healthy = (
             r.unit.port is None
@@ -631,12 +696,16 @@ def unit_record(r: Rendered, content: dict[str, str | None] | None = None) -> di
         "dp": u.dp,
         "playbook": u.playbook.name,
         "stop_grace": u.spec.stop_grace,
+        "supervise": policy(u),
         "content": content or {},
         "deployed_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
 
 
-def probe_spec(r: Rendered) -> ProbeSpec:
+METRICS_ENGINES = ("sglang", "vllm", "stub")
+
+
+def probe_spec(r: Rendered, metrics: bool = False) -> ProbeSpec:
     spec = r.unit.spec
     bind = getattr(spec, "bind", "127.0.0.1")
     return ProbeSpec(
@@ -645,6 +714,7 @@ def probe_spec(r: Rendered) -> ProbeSpec:
         port=r.unit.port,
         health_path=r.launch.health_path,
         identity_paths=identity.identity_paths(r.unit.engine),
+        metrics_path="/metrics" if metrics and r.unit.engine in METRICS_ENGINES else None,
         headers=auth_headers(r),
     )
 

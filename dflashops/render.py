@@ -30,6 +30,7 @@ from dflashops.engines.base import EnvPython, HostPath, Launch, ShippedFile, Tok
 from dflashops.errors import Problem
 from dflashops.hosts.connection import host_word
 from dflashops.plan import Plan, Unit
+from dflashops.supervision import policy
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -163,6 +164,7 @@ def render_unit(env: Environment, unit: Unit) -> Rendered:
                 "secrets": sorted(unit.spec.secret_env),
                 # Only when there is one: fingerprints of units without stay what they were.
                 **({"environment": unit.env.hash} if unit.env is not None else {}),
+                "supervise": policy(unit),
             },
             sort_keys=True,
         ).encode()

@@ -142,6 +142,22 @@ class StoppedRecord(FactsModel):
     killed: bool | None = None
 
 
+class SupervisorState(FactsModel):
+    """units/<unit>/supervisor.json, kept by the unit's supervisor on the host."""
+
+    state: str  # running | backoff | waiting-gpu | crashed | ended
+    since: str | None = None
+    child_pid: int | None = None
+    restarts: int = 0
+    history: list[dict[str, Any]] = Field(default_factory=list)  # the last crashes
+    next_start_in: float | None = None
+
+    @property
+    def restarting(self) -> bool:
+        """The unit crashed and its supervisor is about to start it again."""
+        return self.state in ("backoff", "waiting-gpu")
+
+
 class ProcessFacts(FactsModel):
     """What is at the recorded pid now (pgid, state, start time and cmdline are the live ones)."""
 
@@ -168,6 +184,7 @@ _RECORDS: tuple[tuple[str, type[FactsModel], str, str], ...] = (
     ("pid", PidRecord, "pid_error", "pid"),
     ("exit", ExitRecord, "exit_error", "exit"),
     ("stopped", StoppedRecord, "stopped_error", "stopped"),
+    ("supervisor", SupervisorState, "supervisor_error", "supervisor.json"),
 )
 
 
@@ -186,9 +203,12 @@ class UnitFacts(FactsModel):
     exit_error: str | None = None
     stopped: StoppedRecord | None = None
     stopped_error: str | None = None
+    supervisor_error: str | None = None
     logs: LogFacts
     progress: dict[str, Any] | None
     progress_error: str | None = None
+    supervisor: SupervisorState | None = None
+    crashed: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -266,6 +286,7 @@ class HostFacts(FactsModel):
     files: dict[str, FileState] = Field(default_factory=dict)  # by the entry's key
     envs: dict[str, EnvState] = Field(default_factory=dict)
     tools: dict[str, str | None] = Field(default_factory=dict)  # uv, hf: where, or None
+    notify_sha256: str | None = None  # of WORKDIR/notify.json, the host's webhook
     errors: dict[str, str] = Field(default_factory=dict)  # parts of the payload that failed
     elapsed_s: float | None = None
 
@@ -345,6 +366,7 @@ class ProbeSpec(BaseModel):
     port: int | None = None
     health_path: str | None = "/health"
     identity_paths: list[str] = Field(default_factory=list)
+    metrics_path: str | None = None  # fetched as text; parsed on the controller
     headers: dict[str, str] = Field(default_factory=dict)
 
 
@@ -382,6 +404,11 @@ class UnitProbe(FactsModel):
     alive: bool  # the recorded pid exists and is not a zombie
     ours: bool  # and it is provably the process dflashops started
     pid: int | None
+    started_at: str | None = None
+    crashed: dict[str, Any] | None = None  # the supervisor gave up (restart_limit)
+    supervisor: SupervisorState | None = None
+    progress: dict[str, Any] | None = None
+    metrics: str | None = None  # /metrics as the server answered it
     reason: str | None = None  # why not alive/ours
     log: str | None = None  # current log, "logs/<name>.log"
     exit: ExitRecord | None
@@ -401,6 +428,7 @@ class UnitProbe(FactsModel):
             ("exit", ExitRecord),
             ("stopped", StoppedRecord),
             ("banner", Banner),
+            ("supervisor", SupervisorState),
         ]
         bad = invalid_records(data, checks)
         if not bad:
@@ -423,6 +451,8 @@ class UnitProbe(FactsModel):
 
 class ProbeResult(FactsModel):
     units: dict[str, UnitProbe]
+    time: float | None = None  # the host's clock
+    gpus: GpuFacts | None = None  # when asked for
     elapsed_s: float | None = None
 
 

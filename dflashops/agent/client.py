@@ -242,6 +242,16 @@ class Agent:
         self.per_unit(UnitProbe, data, names)  # every unit answered, each valid
         return self.validate(ProbeResult, data, "probe").units
 
+    def observe(
+        self, workdir: str, probes: Sequence[ProbeSpec], *, http_timeout: float = 5.0
+    ) -> ProbeResult:
+        """What `top` shows of a host in one call: every unit's probe (metrics included) and
+        nvidia-smi, with the host's clock."""
+        request = observe_request(workdir, probes, http_timeout)
+        data = self.call("probe", request, timeout=http_timeout + SLACK)
+        self.per_unit(UnitProbe, data, [p.name for p in probes])
+        return self.validate(ProbeResult, data, "probe")
+
     def tail(
         self,
         workdir: str,
@@ -395,6 +405,46 @@ class Agent:
         if missing:
             raise AgentError(self.host, f"the build answer misses {', '.join(missing)}")
         return out
+
+
+class Session:
+    """One agent kept running on a host (``serve``): each call is a request line and an answer
+    line on the same channel, no new interpreter, no bundle sent again. For `top`."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.stream = agent.conn.stream(command(agent.python))
+        self.stream.send(bundle() + b'{"action":"serve"}\n')
+
+    def call(self, action: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+        line = json.dumps({"action": action, **request}, separators=(",", ":")).encode()
+        self.stream.send(line + b"\n")
+        got = self.stream.readline(timeout)
+        return self.agent.answer(action, Result(f"agent session: {action}", 0, got, b""))
+
+    def observe(
+        self, workdir: str, probes: Sequence[ProbeSpec], http_timeout: float = 5.0
+    ) -> ProbeResult:
+        data = self.call(
+            "probe", observe_request(workdir, probes, http_timeout), http_timeout + SLACK
+        )
+        self.agent.per_unit(UnitProbe, data, [p.name for p in probes])
+        return self.agent.validate(ProbeResult, data, "probe")
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+def observe_request(
+    workdir: str, probes: Sequence[ProbeSpec], http_timeout: float
+) -> dict[str, Any]:
+    return {
+        "workdir": workdir,
+        "units": [p.model_dump() for p in probes],
+        "http_timeout": http_timeout,
+        "log_lines": 0,
+        "gpus": True,
+    }
 
 
 class Frames:

@@ -12,8 +12,30 @@ Behaviour knobs are environment variables, so that the flag set stays pure SGLan
 - ``DFLASHOPS_STUB_TOKENS_PER_SECOND`` (default 0 = instant): adds completion_tokens / tps.
 - ``DFLASHOPS_STUB_FAILURE_RATE`` (0..1): fraction of completion requests answered with 500.
 - ``DFLASHOPS_STUB_HANG_RATE`` (0..1): fraction of completion requests never answered.
-- ``DFLASHOPS_STUB_EXIT_AFTER`` (seconds): crash with exit status 1 after that long.
+- ``DFLASHOPS_STUB_EXIT_AFTER`` (seconds): crash with exit status 1 after that long (counted
+  from process start, so it may fire while still starting).
+- ``DFLASHOPS_STUB_EXIT_AFTER_READY`` (seconds): crash the same way that long after readiness.
+- ``DFLASHOPS_STUB_WEDGE_AFTER`` (seconds after readiness): from then on the engine is wedged.
+  /health still answers 200 (as vLLM's does), but /health_generate and every generation request
+  (/v1/chat/completions, /v1/completions, /generate) are held open and never answered; they
+  count as waiting requests in /metrics. Held connections do not delay shutdown.
+- ``DFLASHOPS_STUB_IGNORE_TERM`` (``1``): SIGTERM is ignored (logged, the server keeps serving);
+  SIGINT still stops it, SIGKILL kills it.
 - ``DFLASHOPS_STUB_SEED`` (int): seed for the random choices above.
+
+``GET /metrics`` serves Prometheus text format 0.0.4 with the engine's own metric names, computed
+from what the stub really does. Tokens of a request are produced evenly over its simulated
+duration (instantly when there is none); throughput is averaged over the last
+THROUGHPUT_WINDOW seconds; KV-cache usage is min(1, running * 0.05).
+
+- sglang (labels ``model_name``): gauges ``sglang:gen_throughput`` (tokens/s),
+  ``sglang:num_running_reqs``, ``sglang:num_queue_reqs``, ``sglang:token_usage`` (0..1);
+  counters ``sglang:generation_tokens_total``, ``sglang:prompt_tokens_total``.
+- vllm (labels ``engine="0"``, ``model_name``): counters ``vllm:generation_tokens_total``,
+  ``vllm:prompt_tokens_total``; gauges ``vllm:num_requests_running``,
+  ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (0..1).
+- both (labels ``flavor``, ``model_name``): counters ``dflashops_stub_requests_total``,
+  ``dflashops_stub_errors_total``; gauge ``dflashops_stub_requests_running``.
 
 Runs on Python 3.9+: keep new syntax out of anything evaluated at runtime.
 """
@@ -21,6 +43,7 @@ Runs on Python 3.9+: keep new syntax out of anything evaluated at runtime.
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import os
@@ -40,7 +63,11 @@ SGLANG_READY_LINE = "The server is fired up and ready to roll!"
 VLLM_READY_LINE = "INFO:     Application startup complete."
 FLAVORS = ("sglang", "vllm")
 HANG_SECONDS = 3600.0
+HOLD_POLL_SECONDS = 0.5  # how often a held request checks for shutdown or a departed client
 DEFAULT_MAX_TOKENS = 256
+THROUGHPUT_WINDOW = 5.0  # seconds of produced tokens behind the throughput gauge
+KV_USAGE_PER_REQUEST = 0.05
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Every server arg the stub reports, with SGLang's names and defaults. Fakes may pass more keys.
 DEFAULT_SETTINGS: dict[str, Any] = {
@@ -129,9 +156,19 @@ def _env_float(env: dict[str, str], name: str, default: float) -> float:
         raise SystemExit(f"dflashops stub: {name}={raw!r} is not a number") from None
 
 
+def _env_seconds(env: dict[str, str], name: str) -> float | None:
+    """An optional delay in seconds: None when unset or empty."""
+    if not env.get(name, "").strip():
+        return None
+    return _env_float(env, name, 0.0)
+
+
+def _env_flag(env: dict[str, str], name: str) -> bool:
+    return env.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def knobs_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
     env = dict(os.environ if env is None else env)
-    exit_after = env.get("DFLASHOPS_STUB_EXIT_AFTER", "").strip()
     seed = env.get("DFLASHOPS_STUB_SEED", "").strip()
     return {
         "startup_seconds": _env_float(env, "DFLASHOPS_STUB_STARTUP_SECONDS", 0.5),
@@ -139,7 +176,10 @@ def knobs_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
         "tokens_per_second": _env_float(env, "DFLASHOPS_STUB_TOKENS_PER_SECOND", 0.0),
         "failure_rate": _env_float(env, "DFLASHOPS_STUB_FAILURE_RATE", 0.0),
         "hang_rate": _env_float(env, "DFLASHOPS_STUB_HANG_RATE", 0.0),
-        "exit_after": float(exit_after) if exit_after else None,
+        "exit_after": _env_seconds(env, "DFLASHOPS_STUB_EXIT_AFTER"),
+        "exit_after_ready": _env_seconds(env, "DFLASHOPS_STUB_EXIT_AFTER_READY"),
+        "wedge_after": _env_seconds(env, "DFLASHOPS_STUB_WEDGE_AFTER"),
+        "ignore_term": _env_flag(env, "DFLASHOPS_STUB_IGNORE_TERM"),
         "seed": int(seed) if seed else None,
     }
 
@@ -149,6 +189,10 @@ def knobs_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
 
 class BadRequest(Exception):
     """A request the stub answers with 400 and this message."""
+
+
+class _Dropped(Exception):
+    """A request abandoned without an answer: its connection is closed."""
 
 
 def _digest(text: str) -> bytes:
@@ -213,12 +257,21 @@ class StubState:
         self.knobs = knobs
         self.ready = False
         self.stopping = False
+        self.wedged = False
+        self.halt = threading.Event()  # set at shutdown: held requests give up
         self.started = time.time()
+        self.started_mono = time.monotonic()
         self.rng = random.Random(knobs.get("seed"))
         self.lock = threading.Lock()
         self.requests_total = 0
         self.errors_total = 0
-        self.inflight = 0
+        self.running = 0  # generation requests admitted and not answered yet
+        self.waiting = 0  # generation requests held by a wedged engine
+        self.prompt_tokens = 0
+        # Completion tokens: (start, end, count) spans in start order, produced evenly from
+        # start to end; spans that ended before the throughput window are folded into retired.
+        self.spans: collections.deque[tuple[float, float, int]] = collections.deque()
+        self.retired_tokens = 0
         self.model_name = settings.get("served_model_name") or settings["model_path"]
         key = settings.get("api_key")
         self.auth = f"Bearer {key}" if key else None
@@ -228,9 +281,47 @@ class StubState:
         self.server_info["version"] = STUB_VERSION
         self.server_info["dflashops_stub"] = True
 
+    def produce(self, tokens: int, prompt_tokens: int, seconds: float) -> None:
+        """Record a request's tokens: the completion ones appear evenly over ``seconds``."""
+        now = time.monotonic()
+        with self.lock:
+            self.prompt_tokens += prompt_tokens
+            self.spans.append((now, now + max(0.0, seconds), tokens))
+            self._retire(now)
+
+    def _retire(self, now: float) -> None:
+        horizon = now - THROUGHPUT_WINDOW
+        while self.spans and self.spans[0][1] < horizon:
+            self.retired_tokens += self.spans.popleft()[2]
+
+    def token_stats(self) -> tuple[int, float]:
+        """Completion tokens produced so far, and tokens/s over the last THROUGHPUT_WINDOW."""
+        now = time.monotonic()
+        horizon = now - THROUGHPUT_WINDOW
+        with self.lock:
+            self._retire(now)
+            total = self.retired_tokens
+            recent = 0.0
+            for start, end, n in self.spans:
+                if end <= start:  # produced at once
+                    total += n
+                    recent += n if start > horizon else 0
+                    continue
+                total += int(n * min(1.0, (now - start) / (end - start)))
+                overlap = min(end, now) - max(start, horizon)
+                if overlap > 0:
+                    recent += n * overlap / (end - start)
+        window = max(0.1, min(THROUGHPUT_WINDOW, now - self.started_mono))
+        return total, recent / window
+
 
 def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _label_value(text: str) -> str:
+    """A Prometheus label value, escaped for the text exposition format."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 class StubHandler(BaseHTTPRequestHandler):
@@ -239,6 +330,7 @@ class StubHandler(BaseHTTPRequestHandler):
     sys_version = ""
     disable_nagle_algorithm = True
     state: StubState  # set on a per-server subclass
+    _slot = ""  # the StubState counter ("running", "waiting") the current request occupies
 
     # ---- plumbing
 
@@ -247,6 +339,9 @@ class StubHandler(BaseHTTPRequestHandler):
             sys.stderr.write(f"stub: {self.address_string()} {format % args}\n")
 
     def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+        # An answered request is no longer running: a client that reads this answer and then
+        # scrapes /metrics must not still see it counted.
+        self._occupy("")
         # Headers and body leave in one write: no Nagle/delayed-ACK stall on keep-alive.
         self.send_response(code)
         self.send_header("Content-Type", ctype)
@@ -277,7 +372,7 @@ class StubHandler(BaseHTTPRequestHandler):
         if st.flavor == "vllm":
             protected = path.startswith("/v1/")
         else:
-            protected = path not in ("/health", "/health_generate")
+            protected = path not in ("/health", "/health_generate", "/metrics")
         return not protected or self.headers.get("Authorization") == st.auth
 
     # ---- dispatch
@@ -291,6 +386,7 @@ class StubHandler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
         body = b""
+        self._slot = ""
         try:
             if method == "POST":
                 body = self._read_body()
@@ -309,8 +405,40 @@ class StubHandler(BaseHTTPRequestHandler):
             handler(self, body)
         except BadRequest as exc:
             self._error(400, str(exc))
+        except _Dropped:
+            self.close_connection = True
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+        finally:
+            self._occupy("")
+
+    def _occupy(self, slot: str) -> None:
+        """Move this request to StubState counter ``slot`` ("running", "waiting" or none)."""
+        st = self.state
+        with st.lock:
+            if self._slot:
+                setattr(st, self._slot, getattr(st, self._slot) - 1)
+            if slot:
+                setattr(st, slot, getattr(st, slot) + 1)
+        self._slot = slot
+
+    def _client_gone(self) -> bool:
+        if not hasattr(socket, "MSG_DONTWAIT"):
+            return False
+        try:
+            return bool(self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"")
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def _hold(self) -> None:
+        """Never answer: wait (idle) for shutdown or for the client to hang up, then drop."""
+        deadline = time.monotonic() + HANG_SECONDS
+        while not self.state.halt.wait(HOLD_POLL_SECONDS):
+            if self._client_gone() or time.monotonic() >= deadline:
+                break
+        raise _Dropped()
 
     # ---- informational endpoints
 
@@ -320,6 +448,13 @@ class StubHandler(BaseHTTPRequestHandler):
             self._send(200, b"")
         else:
             self._send(503, b"")
+
+    def h_health_generate(self, body: bytes) -> None:
+        """SGLang's generating health check: like /health, but a wedged engine never answers."""
+        st = self.state
+        if st.wedged and not st.stopping:
+            self._hold()
+        self.h_health(body)
 
     def h_server_info(self, _body: bytes) -> None:
         self._json(200, self.state.server_info)
@@ -352,21 +487,56 @@ class StubHandler(BaseHTTPRequestHandler):
 
     def h_metrics(self, _body: bytes) -> None:
         st = self.state
+        generated, throughput = st.token_stats()
         with st.lock:
-            counts = (st.requests_total, st.errors_total, st.inflight)
-        name = str(st.model_name).replace("\\", "\\\\").replace('"', '\\"')
-        label = f'{{flavor="{st.flavor}",model_name="{name}"}}'
+            requests, errors = st.requests_total, st.errors_total
+            running, waiting, prompt = st.running, st.waiting, st.prompt_tokens
+        usage = min(1.0, running * KV_USAGE_PER_REQUEST)
+        model = _label_value(str(st.model_name))
+        families: list[tuple[str, str, str, Any]]
+        if st.flavor == "sglang":
+            labels = f'{{model_name="{model}"}}'
+            families = [
+                ("sglang:gen_throughput", "gauge", "The generation throughput (token/s).",
+                 float(throughput)),
+                ("sglang:num_running_reqs", "gauge", "The number of running requests.",
+                 float(running)),
+                ("sglang:num_queue_reqs", "gauge", "The number of requests in the waiting queue.",
+                 float(waiting)),
+                ("sglang:token_usage", "gauge", "The token usage.", usage),
+                ("sglang:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+                 float(prompt)),
+                ("sglang:generation_tokens_total", "counter",
+                 "Number of generation tokens processed.", float(generated)),
+            ]  # fmt: skip
+        else:
+            labels = f'{{engine="0",model_name="{model}"}}'
+            families = [
+                ("vllm:num_requests_running", "gauge",
+                 "Number of requests in model execution batches.", float(running)),
+                ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+                 float(waiting)),
+                ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+                 usage),
+                ("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+                 float(prompt)),
+                ("vllm:generation_tokens_total", "counter",
+                 "Number of generation tokens processed.", float(generated)),
+            ]  # fmt: skip
         lines = []
-        for name, kind, help_text, value in (
-            ("requests_total", "counter", "Completion requests received.", counts[0]),
-            ("errors_total", "counter", "Completion requests answered with 5xx.", counts[1]),
-            ("requests_running", "gauge", "Completion requests in flight.", counts[2]),
+        for name, kind, help_text, value in families:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines.append(f"{name}{labels} {value!r}")
+        own = f'{{flavor="{st.flavor}",model_name="{model}"}}'
+        for name, kind, help_text, count in (
+            ("requests_total", "counter", "Completion requests received.", requests),
+            ("errors_total", "counter", "Completion requests answered with 5xx.", errors),
+            ("requests_running", "gauge", "Completion requests in flight.", running),
         ):
             lines.append(f"# HELP dflashops_stub_{name} {help_text}")
             lines.append(f"# TYPE dflashops_stub_{name} {kind}")
-            lines.append(f"dflashops_stub_{name}{label} {value}")
-        body = ("\n".join(lines) + "\n").encode()
-        self._send(200, body, "text/plain; version=0.0.4; charset=utf-8")
+            lines.append(f"dflashops_stub_{name}{own} {count}")
+        self._send(200, ("\n".join(lines) + "\n").encode(), METRICS_CONTENT_TYPE)
 
     # ---- completions
 
@@ -382,31 +552,31 @@ class StubHandler(BaseHTTPRequestHandler):
         return req
 
     def _begin(self) -> bool:
-        """Count the request and apply the hang knob. False: answer with a simulated failure."""
+        """Admit a generation request. False: answer it with a simulated failure.
+
+        A wedged engine holds it as waiting, the hang knob as running: neither ever answers.
+        """
         st = self.state
         k = st.knobs
         with st.lock:
             st.requests_total += 1
+        if st.wedged:
+            self._occupy("waiting")
+            self._hold()
+        self._occupy("running")
         if k["hang_rate"] > 0 and st.rng.random() < k["hang_rate"]:
-            time.sleep(HANG_SECONDS)
-            self.close_connection = True
-            return False
+            self._hold()
         return not (k["failure_rate"] > 0 and st.rng.random() < k["failure_rate"])
 
-    def _work(self, completion_tokens: int) -> None:
+    def _work(self, completion_tokens: int, prompt_tokens: int) -> None:
+        """Produce the tokens: take as long as the latency knobs say, and count them."""
         k = self.state.knobs
         delay = k["latency"]
         if k["tokens_per_second"] > 0:
             delay += completion_tokens / k["tokens_per_second"]
+        self.state.produce(completion_tokens, prompt_tokens, delay)
         if delay > 0:
-            st = self.state
-            with st.lock:
-                st.inflight += 1
-            try:
-                time.sleep(delay)
-            finally:
-                with st.lock:
-                    st.inflight -= 1
+            time.sleep(delay)
 
     def _fail(self) -> None:
         st = self.state
@@ -433,8 +603,8 @@ class StubHandler(BaseHTTPRequestHandler):
             # SGLang names the field reasoning_content; newer vLLM names it reasoning.
             key = "reasoning" if st.flavor == "vllm" else "reasoning_content"
             message[key] = reasoning
-        self._work(n)
         prompt_tokens = _count_tokens(prompt)
+        self._work(n, prompt_tokens)
         self._json(
             200,
             {
@@ -483,7 +653,7 @@ class StubHandler(BaseHTTPRequestHandler):
             )
             prompt_tokens += _count_tokens(p)
             completion_tokens += n
-        self._work(completion_tokens)
+        self._work(completion_tokens, prompt_tokens)
         self._json(
             200,
             {
@@ -515,10 +685,11 @@ class StubHandler(BaseHTTPRequestHandler):
             self._fail()
             return
         out = []
-        total = 0
+        total = prompt_total = 0
         for t in texts:
             answer, n, capped, digest = _complete(t, max_tokens)
             total += n
+            prompt_total += _count_tokens(t)
             finish: dict[str, Any] = {"type": "length", "length": n} if capped else {"type": "stop"}
             out.append(
                 {
@@ -531,13 +702,13 @@ class StubHandler(BaseHTTPRequestHandler):
                     },
                 }
             )
-        self._work(total)
+        self._work(total, prompt_total)
         self._json(200, out if isinstance(text, list) else out[0])
 
 
 _COMMON = {
     "/health": ("GET", StubHandler.h_health),
-    "/health_generate": ("GET", StubHandler.h_health),
+    "/health_generate": ("GET", StubHandler.h_health_generate),
     "/v1/models": ("GET", StubHandler.h_models),
     "/metrics": ("GET", StubHandler.h_metrics),
     "/v1/chat/completions": ("POST", StubHandler.h_chat),
@@ -578,22 +749,18 @@ def _say(line: str, stream: Any = None) -> None:
     out.flush()
 
 
-def _fake_crash(flavor: str, after: float) -> None:
+def _fake_crash(flavor: str, reason: str) -> None:
     where = "sglang/srt/managers/scheduler.py" if flavor == "sglang" else "vllm/v1/engine/core.py"
     _say("Traceback (most recent call last):", sys.stderr)
     _say(f'  File "/opt/stub/{where}", line 2650, in run_event_loop', sys.stderr)
     _say("    self.event_loop_overlap()", sys.stderr)
-    _say(
-        f"RuntimeError: dflashops stub: simulated crash after {after:g} s "
-        "(DFLASHOPS_STUB_EXIT_AFTER)",
-        sys.stderr,
-    )
+    _say(f"RuntimeError: dflashops stub: simulated crash {reason}", sys.stderr)
 
 
 def run_server(
     settings: dict[str, Any], flavor: str = "sglang", knobs: dict[str, Any] | None = None
 ) -> int:
-    """Serve until SIGTERM/SIGINT (exit 0) or DFLASHOPS_STUB_EXIT_AFTER (exit 1).
+    """Serve until SIGTERM/SIGINT (exit 0) or a DFLASHOPS_STUB_EXIT_AFTER* crash (exit 1).
 
     ``settings`` uses SGLang's server-arg names (see DEFAULT_SETTINGS); extra keys are reported
     as they are in /server_info. ``knobs`` defaults to the DFLASHOPS_STUB_* environment.
@@ -620,12 +787,15 @@ def run_server(
         return 1
     state.server_info["port"] = merged["port"] = server.server_port
 
-    stop = threading.Event()
-    received: list[str] = []
+    wake = threading.Event()
+    received: list[str] = []  # signals that stop the server
+    ignored: list[str] = []  # SIGTERMs ignored under DFLASHOPS_STUB_IGNORE_TERM, not yet logged
+    ignore_term = bool(k.get("ignore_term"))
 
     def on_signal(signum: int, _frame: Any) -> None:
-        received.append(signal.Signals(signum).name)
-        stop.set()
+        name = signal.Signals(signum).name
+        (ignored if ignore_term and signum == signal.SIGTERM else received).append(name)
+        wake.set()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_signal)
@@ -639,24 +809,54 @@ def run_server(
     t0 = time.monotonic()
     ready_at = t0 + max(0.0, float(k["startup_seconds"]))
     # EXIT_AFTER may fire before readiness: a server that dies while starting.
-    crash_at = None if k.get("exit_after") is None else t0 + float(k["exit_after"])
+    crash_at: float | None = None
+    crash_reason = ""
+    if k.get("exit_after") is not None:
+        crash_at = t0 + float(k["exit_after"])
+        crash_reason = f"after {float(k['exit_after']):g} s (DFLASHOPS_STUB_EXIT_AFTER)"
+    wedge_at: float | None = None
     code = 0
     try:
-        while not stop.is_set():
+        while not received:
+            wake.clear()
+            while ignored:
+                _say(
+                    f"dflashops stub: ignoring {ignored.pop(0)} (DFLASHOPS_STUB_IGNORE_TERM)",
+                    sys.stderr,
+                )
             now = time.monotonic()
             if crash_at is not None and now >= crash_at:
-                _fake_crash(flavor, crash_at - t0)
+                _fake_crash(flavor, crash_reason)
                 code = 1
                 break
             if not state.ready and now >= ready_at:
                 state.ready = True
                 _say(SGLANG_READY_LINE if flavor == "sglang" else VLLM_READY_LINE)
+                after_ready = k.get("exit_after_ready")
+                if after_ready is not None and (
+                    crash_at is None or now + float(after_ready) < crash_at
+                ):
+                    crash_at = now + float(after_ready)
+                    crash_reason = (
+                        f"{float(after_ready):g} s after ready (DFLASHOPS_STUB_EXIT_AFTER_READY)"
+                    )
+                if k.get("wedge_after") is not None:
+                    wedge_at = now + float(k["wedge_after"])
+            if wedge_at is not None and now >= wedge_at:
+                wedge_at = None
+                state.wedged = True
+                _say(
+                    "dflashops stub: engine wedged (DFLASHOPS_STUB_WEDGE_AFTER): /health still "
+                    "answers, generation requests are held unanswered",
+                    sys.stderr,
+                )
             waits = [0.5] + ([] if state.ready else [ready_at - now])
-            if crash_at is not None:
-                waits.append(crash_at - now)
-            stop.wait(max(0.0, min(waits)))
+            waits += [t - now for t in (crash_at, wedge_at) if t is not None]
+            if not received and not ignored:
+                wake.wait(max(0.0, min(waits)))
     finally:
         state.stopping = True
+        state.halt.set()
         server.shutdown()
         server.server_close()
     if received:

@@ -16,6 +16,7 @@ from dflashops.config.inventory import Host
 from dflashops.engines import identity
 from dflashops.events import EventLog
 from dflashops.lifecycle import Options, health_text, probe_spec
+from dflashops.metrics import Memory, Reading, shown
 from dflashops.orphans import Orphan
 from dflashops.output import escape
 from dflashops.render import Rendered
@@ -29,6 +30,10 @@ def unit_state(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> tuple[
     uf = facts.unit(r.unit.name)
     if uf is None or (uf.pid is None and uf.exit is None):
         return ("stopped" if uf is not None and uf.unit is not None else "absent"), "-"
+    if not uf.running and uf.crashed is not None and uf.stopped is None:
+        return "crashed", f"gave up after {restarts_of(uf)} restarts{last_exit(uf)}"
+    if uf.running and uf.supervisor is not None and uf.supervisor.restarting:
+        return "restarting", f"restart {uf.supervisor.restarts + 1}{last_exit(uf)}"
     if not uf.running:
         if uf.stopped is not None and uf.pid is None:
             return "stopped", "-"
@@ -49,6 +54,21 @@ def unit_state(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> tuple[
     if identity.check(r, probe):
         return "drifted", health
     return "ready", health
+
+
+def restarts_of(uf: UnitFacts) -> int:
+    return uf.supervisor.restarts if uf.supervisor is not None else 0
+
+
+def last_exit(uf: UnitFacts) -> str:
+    """`, last exit SIGKILL at 03:12:07Z` from the supervisor's record of crashes."""
+    history = [h for h in (uf.supervisor.history if uf.supervisor else []) if "code" in h]
+    if not history:
+        return ""
+    last = history[-1]
+    how = last.get("signal") or f"code {last.get('code')}"
+    why = " (liveness)" if last.get("reason") == "liveness" else ""
+    return f", last exit {how}{why} at {str(last.get('at', ''))[11:]}"
 
 
 def run_time(uf: UnitFacts) -> str:
@@ -100,7 +120,7 @@ def status(
                 for r in run.rendered
                 if r.unit.port is not None and (uf := facts.unit(r.unit.name)) and uf.running
             ]
-            probes = run.agent.probe(facts.workdir, [probe_spec(r) for r in probed])
+            probes = run.agent.probe(facts.workdir, [probe_spec(r, metrics=True) for r in probed])
             # Only failed units cost an extra call each: the end of the log says why.
             tails = {
                 name: run.agent.tail(facts.workdir, name, lines=10).text
@@ -111,19 +131,8 @@ def status(
             run.close()
 
     outcomes = on_hosts(list(target.hosts.values()), look, forks)
-    table = Table(
-        "host",
-        "unit",
-        "state",
-        "pid",
-        "uptime",
-        "port",
-        "health",
-        "fingerprint",
-        "gpus",
-        "progress",
-        box=None,
-    )
+    memory = Memory()  # a vLLM counter's previous sample: tok/s since the last look
+    table = Table(*COLUMNS, box=None)
     rows: list[dict[str, Any]] = []
     failures: list[tuple[str, str, str, str]] = []
     bad = False
@@ -133,12 +142,7 @@ def status(
                 name,
                 "-",
                 "[red]unreachable[/]",
-                "",
-                "",
-                "",
-                "",
-                "",
-                "",
+                *[""] * (len(COLUMNS) - 4),
                 escape((outcome.error or "")[:120]),
             )
             rows.append({"host": name, "state": "unreachable", "error": outcome.error})
@@ -156,25 +160,26 @@ def status(
                 row["uptime"],
                 str(o.port or "-"),
                 "-",
+                "-",
+                "-",
+                "-",
+                "-",
+                "-",
                 "no playbook defines it",
                 row["gpus"],
                 "",
             )
         for r in target.rendered.get(name, []):
-            row = status_row(r, facts, probes.get(r.unit.name))
+            probe = probes.get(r.unit.name)
+            reading = memory.read(
+                f"{name}/{r.unit.name}", r.unit.engine, probe.metrics if probe else None, facts.time
+            )
+            row = status_row(r, facts, probe, reading)
             if r.unit.name in tails:
                 row["log_tail"] = tails[r.unit.name]
                 failures.append((name, r.unit.name, row["health"], tails[r.unit.name]))
             rows.append(row)
-            color = {
-                "ready": "green",
-                "running": "green",
-                "done": "green",
-                "starting": "yellow",
-                "outdated": "yellow",
-                "stopped": "dim",
-                "absent": "dim",
-            }.get(row["state"], "red")
+            color = STATE_COLORS.get(row["state"], "red")
             bad = bad or color == "red"
             table.add_row(
                 name,
@@ -184,10 +189,16 @@ def status(
                 row["uptime"],
                 str(r.unit.port or "-"),
                 escape(row["health"]),
+                shown(reading.tok_s, "tok"),
+                f"{shown(reading.running, 'n')}/{shown(reading.queued, 'n')}",
+                shown(reading.kv, "pct"),
+                row["gpu_util"],
+                str(row["restarts"]),
                 row["fingerprint"],
                 row["gpus"],
                 escape(row["progress"]),
             )
+    memory.save()
     out.print(table)
     for host_name, unit, ended, text in failures:
         out.print(f"[red]==> {escape(f'[{host_name}] {unit} ({ended}), end of its log:')}[/]")
@@ -198,7 +209,48 @@ def status(
     return 2 if bad else 0
 
 
-def status_row(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> dict[str, Any]:
+COLUMNS = (
+    "host",
+    "unit",
+    "state",
+    "pid",
+    "uptime",
+    "port",
+    "health",
+    "tok/s",
+    "run/q",
+    "KV",
+    "GPU%",
+    "restarts",
+    "fingerprint",
+    "gpus",
+    "progress",
+)
+STATE_COLORS = {
+    "ready": "green",
+    "running": "green",
+    "done": "green",
+    "starting": "yellow",
+    "outdated": "yellow",
+    "restarting": "yellow",
+    "stopped": "dim",
+    "absent": "dim",
+}
+
+
+def gpu_util(facts_gpus: Any, gpus: tuple[int, ...]) -> str:
+    """`87%` (the mean over the unit's GPUs), `-` when nvidia-smi does not say."""
+    values = [
+        d.utilization_pct
+        for g in gpus
+        if (d := facts_gpus.device(g)) is not None and d.utilization_pct is not None
+    ]
+    return f"{sum(values) / len(values):.0f}%" if values else "-"
+
+
+def status_row(
+    r: Rendered, facts: HostFacts, probe: UnitProbe | None, reading: Reading | None = None
+) -> dict[str, Any]:
     uf = facts.unit(r.unit.name)
     state, health = unit_state(r, facts, probe)
     pid = uf.process.pid if uf is not None and uf.running else None
@@ -223,7 +275,10 @@ def status_row(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> dict[s
         "health": health,
         "fingerprint": fp,
         "gpus": gpus,
+        "gpu_util": gpu_util(facts.gpus, r.unit.gpus),
+        "restarts": restarts_of(uf) if uf is not None else 0,
         "progress": progress,
+        "metrics": (reading or Reading()).as_json(),
     }
 
 

@@ -143,6 +143,17 @@ COMMANDS: tuple[Command, ...] = (
         (*SELECTION, *FLEET),
     ),
     Command(
+        "top",
+        "a live view of servers and jobs: tok/s, requests, KV cache, GPUs, restarts, progress, ETA",
+        "dflashops.commands.top:top",
+        (
+            *SELECTION,
+            Option("interval", ("--interval",), "time between refreshes", default="2s"),
+            flag("once", "print one frame and exit (for scripts)"),
+            FORKS,
+        ),
+    ),
+    Command(
         "logs",
         "the end of a unit's current log",
         "dflashops.commands.logs:logs",

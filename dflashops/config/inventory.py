@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from dflashops.config.types import (
     Address,
@@ -15,6 +16,7 @@ from dflashops.config.types import (
     Name,
     PathStr,
     Port,
+    Text,
     User,
 )
 
@@ -26,6 +28,28 @@ class StrictModel(BaseModel):
     """Base for user input: unknown keys are errors, values are not coerced between types."""
 
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Notify(StrictModel):
+    """Where the host reports restarts and give-ups, on its own (the controller may be off)."""
+
+    webhook: Annotated[
+        Text,
+        Field(
+            description="An http(s) URL the host POSTs JSON to, or env:NAME (read from the "
+            "controller's environment at deploy time). Kept 0600 on the host, never printed."
+        ),
+    ]
+
+    @field_validator("webhook")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        if value.startswith("env:"):
+            if not re.match(r"^env:[A-Za-z_][A-Za-z0-9_]*$", value):
+                raise ValueError("env:NAME names an environment variable ([A-Za-z_][A-Za-z0-9_]*)")
+        elif not re.match(r"^https?://[^\s]+$", value):
+            raise ValueError("the webhook is an http:// or https:// URL, or env:NAME")
+        return value
 
 
 class HostSettings(StrictModel):
@@ -81,6 +105,9 @@ class HostSettings(StrictModel):
             description="Template variables, usable as {{ name }} in playbook strings (override playbook vars)."
         ),
     ] = Field(default_factory=dict)
+    notify: Annotated[
+        Notify | None, Field(description="Webhook for restarts and give-ups, posted by the host.")
+    ] = None
 
 
 class HostSpec(HostSettings):
@@ -127,6 +154,7 @@ class Host:
     host_key_policy: HostKeyPolicy
     env: dict[str, str] = field(default_factory=dict)
     vars: dict[str, Any] = field(default_factory=dict)
+    webhook: str | None = None  # a URL or env:NAME, from notify
 
     @property
     def is_local(self) -> bool:
@@ -174,5 +202,6 @@ def resolve_hosts(spec: InventoryFile, inventory_path: Path) -> dict[str, Host]:
             host_key_policy=h.host_key_policy or d.host_key_policy or "strict",
             env={**d.env, **h.env},
             vars={**d.vars, **h.vars},
+            webhook=notify.webhook if (notify := h.notify or d.notify) is not None else None,
         )
     return hosts

@@ -62,6 +62,44 @@ class Ready(StrictModel):
         return value
 
 
+RestartPolicy = Literal["no", "on-failure", "always"]
+
+
+class Backoff(StrictModel):
+    """Time between a crash and the restart: ``initial``, doubling after each crash in a row,
+    at most ``max`` (a unit that stayed up longer than ``max`` starts again from ``initial``)."""
+
+    initial: Annotated[Seconds, Field(description="Wait before the first restart ('10s').")] = 10.0
+    max: Annotated[Seconds, Field(description="The longest wait ('5m').")] = 300.0
+
+
+class RestartLimit(StrictModel):
+    """More than ``count`` restarts within ``window``: the unit is `crashed` and stays down."""
+
+    count: Annotated[int, Field(ge=1, le=1000, description="Restarts allowed per window.")] = 5
+    window: Annotated[Seconds, Field(description="The window ('1h').")] = 3600.0
+
+
+class Liveness(StrictModel):
+    """An HTTP probe run on the host by the unit's supervisor once the unit has answered it
+    once: after ``failures`` failures in a row the unit is restarted as if it had crashed."""
+
+    path: Annotated[
+        Text,
+        Field(description="Path probed for a 200 (SGLang's /health_generate runs a generation)."),
+    ] = "/health_generate"
+    interval: Annotated[Seconds, Field(description="Time between probes ('60s').")] = 60.0
+    timeout: Annotated[Seconds, Field(description="A probe slower than this fails ('30s').")] = 30.0
+    failures: Annotated[int, Field(ge=1, le=100, description="Failures in a row that restart.")] = 3
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/") or any(c.isspace() for c in value):
+            raise ValueError("a probe path starts with '/' and has no spaces")
+        return value
+
+
 class UnitBase(StrictModel):
     name: Annotated[
         Name, Field(description="Unit name (lowercase letters, digits, '-'); unique per host.")
@@ -83,6 +121,19 @@ class UnitBase(StrictModel):
         Name | None,
         Field(description="Run with that environment's python (`environments:` of a playbook)."),
     ] = None
+    restart: Annotated[
+        RestartPolicy | None,
+        Field(
+            description="Restarted by its supervisor on the host when it ends: no | on-failure | "
+            "always (default: on-failure for services, no for jobs)."
+        ),
+    ] = None
+    restart_backoff: Annotated[Backoff, Field(description="Waits between restarts.")] = Field(
+        default_factory=Backoff
+    )
+    restart_limit: Annotated[
+        RestartLimit, Field(description="How many restarts, per window, before `crashed`.")
+    ] = Field(default_factory=RestartLimit)
 
     @model_validator(mode="after")
     def _env_disjoint(self) -> UnitBase:
@@ -135,6 +186,10 @@ class ServiceBase(UnitBase):
     ready: Annotated[Ready, Field(description="Readiness probe settings.")] = Field(
         default_factory=Ready
     )
+    liveness: Annotated[
+        Liveness | None,
+        Field(description="Health probed on the host all along; failures restart the unit."),
+    ] = None
     args: Annotated[
         Args, Field(description="Extra engine flags: `key: value` -> --key value, true -> --key.")
     ] = Field(default_factory=dict)

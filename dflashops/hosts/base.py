@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from dflashops.hosts.connection import Command, Input, Result, Sink
+from dflashops.hosts.connection import Command, Input, Result, Sink, Stream
 
 
 class BaseConnection(ABC):
@@ -24,6 +24,10 @@ class BaseConnection(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    @abstractmethod
+    def stream(self, command: Command) -> Stream:
+        """Start ``command`` and keep it: requests go in, answer lines come out."""
 
     def get(self, path: str, timeout: float | None = 120.0) -> bytes:
         """Read a file from the host (checked: a missing file raises, it does not return b'')."""

@@ -78,6 +78,20 @@ class CommandTimeout(HostError):
     """The command did not finish in time; it may still be running on the host."""
 
 
+class Stream(Protocol):
+    """A command kept running: bytes in, lines out (a served agent session)."""
+
+    def send(self, data: bytes) -> None: ...
+
+    def readline(self, timeout: float) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class StreamEnded(HostError):
+    """The kept command ended or its connection dropped: open a new one."""
+
+
 class Connection(Protocol):
     """Run a command (with optional stdin bytes), put bytes into a file, get a file's bytes."""
 
@@ -94,3 +108,5 @@ class Connection(Protocol):
     ) -> Result: ...
 
     def close(self) -> None: ...
+
+    def stream(self, command: Command) -> Stream: ...

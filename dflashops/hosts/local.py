@@ -15,6 +15,7 @@ from dflashops.hosts.connection import (
     Input,
     Result,
     Sink,
+    StreamEnded,
     as_shell,
     chunks,
 )
@@ -71,6 +72,63 @@ class LocalConnection(BaseConnection):
 
     def close(self) -> None:
         return None
+
+    def stream(self, command: Command) -> LocalStream:
+        self.commands += 1
+        proc = subprocess.Popen(
+            ["bash", "-c", as_shell(command)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return LocalStream(self.host, proc)
+
+
+class LocalStream:
+    def __init__(self, host: str, proc: subprocess.Popen[bytes]) -> None:
+        self.host = host
+        self.proc = proc
+        self.buffer = b""
+
+    def send(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(data)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise StreamEnded(self.host, f"the kept command ended: {exc}") from None
+
+    def readline(self, timeout: float) -> bytes:
+        import os
+        import select
+        import time
+
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommandTimeout(self.host, f"no answer within {timeout:.0f}s")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    raise StreamEnded(self.host, "the kept command ended")
+                self.buffer += data
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line + b"\n"
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def _feed(pipe: IO[bytes], data: Input) -> None:

@@ -7,6 +7,7 @@ commands on raw session channels so that stdin bytes, exit codes and timeouts ar
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
 import time
@@ -27,6 +28,7 @@ from dflashops.hosts.connection import (
     Input,
     Result,
     Sink,
+    StreamEnded,
     as_shell,
     chunks,
 )
@@ -41,6 +43,41 @@ from dflashops.hosts.hostkeys import (
 
 CONNECT_TIMEOUT = 15.0
 KEEPALIVE = 30
+
+
+class SshStream:
+    """A command kept running on one channel of the host's connection."""
+
+    def __init__(self, host: str, channel: paramiko.Channel) -> None:
+        self.host = host
+        self.channel = channel
+        self.buffer = b""
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.channel.sendall(data)
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise StreamEnded(self.host, f"the kept command's channel is gone: {exc}") from None
+
+    def readline(self, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            if self.channel.recv_ready():
+                self.buffer += self.channel.recv(1 << 16)
+                continue
+            if self.channel.closed or self.channel.exit_status_ready() or self.channel.eof_received:
+                raise StreamEnded(self.host, "the kept command ended")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommandTimeout(self.host, f"no answer within {timeout:.0f}s")
+            select.select([self.channel], [], [], min(left, 0.5))
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line + b"\n"
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.channel.shutdown_write()
+            self.channel.close()
 
 
 def user_known_hosts(conn: FabricConnection) -> list[Path]:
@@ -240,6 +277,19 @@ class SshConnection(BaseConnection):
                 )
             if not got:
                 select.select([channel], [], [], 0.05)
+
+    def stream(self, command: Command) -> SshStream:
+        self.open()
+        transport = self.fabric.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise HostError(self.host, f"connection to {self.where} is closed")
+        self.commands += 1
+        try:
+            channel = transport.open_session(timeout=self.timeout)
+            channel.exec_command(as_shell(command))
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            raise StreamEnded(self.host, f"connection to {self.where} lost: {exc}") from None
+        return SshStream(self.host, channel)
 
     def host_key(self) -> paramiko.PKey:
         """The key the server presents (no authentication, nothing recorded): for `trust`."""

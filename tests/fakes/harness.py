@@ -157,6 +157,24 @@ class Proc:
         return self.wait(timeout)
 
 
+def scrape(port: int, headers: dict[str, str] | None = None) -> dict[str, tuple[str, dict, float]]:
+    """GET /metrics parsed by prometheus_client: sample name -> (family type, labels, value).
+
+    prometheus_client is imported here, not at the top: the rest of this module is stdlib only.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    resp = request(port, "GET", "/metrics", headers=headers)
+    assert resp.status == 200, resp.body
+    assert resp.headers["content-type"].startswith("text/plain; version=0.0.4")
+    out: dict[str, tuple[str, dict, float]] = {}
+    for family in text_string_to_metric_families(resp.body.decode()):
+        for sample in family.samples:
+            assert sample.name not in out, f"{sample.name} sampled twice"
+            out[sample.name] = (family.type, dict(sample.labels), float(sample.value))
+    return out
+
+
 def run(argv: list[str], env: dict[str, str], timeout: float = 20.0) -> subprocess.CompletedProcess:
     return subprocess.run(
         argv, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout, check=False

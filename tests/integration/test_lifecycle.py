@@ -364,7 +364,8 @@ def test_restart_servers_rolls_one_replica_at_a_time_and_aborts_on_failure(
         # A rerun converges.
         fixed = ctl.run("deploy")
         assert fixed.code == 0, fixed.explain()
-        assert fixed.of("sglang-1", action="start", status="changed"), fixed.explain()
+        # Its supervisor was waiting out a backoff: deploy restarts it now instead.
+        assert fixed.of("sglang-1", action="restart", status="changed"), fixed.explain()
         only_statuses(fixed, "r", ["sglang-0", "sglang-2"], {"ok"})
         assert alive(foreign), "a foreign python process on the host was touched"
         stopped = ctl.run("stop")
@@ -810,6 +811,7 @@ def test_status_shows_every_state_and_job_progress_and_logs_prints_the_end(
                     "crashy",
                     port + 2,
                     {"DFLASHOPS_STUB_EXIT_AFTER": "3", "DFLASHOPS_STUB_STARTUP_SECONDS": "0.2"},
+                    restart="no",  # dead stays dead (a restarted one: test_supervision.py)
                 ),
                 {
                     "name": "idle",

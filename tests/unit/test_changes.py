@@ -50,7 +50,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Rendered]:
 
 def unit_state(r: Rendered, state: str) -> dict[str, Any]:
     """One unit's facts in a named state, for the rendered unit ``r``."""
-    running = state in ("running", "running-old", "running-hand-edited")
+    running = state in ("running", "running-old", "running-hand-edited", "running-backoff")
     fp = "0" * 64 if state == "running-old" else r.fingerprint
     sha = "f" * 64 if state == "running-hand-edited" else script_sha(r)
     pid = {"pid": 100, "pgid": 100, "start_time": 5, "boot_id": BOOT}
@@ -75,6 +75,7 @@ def unit_state(r: Rendered, state: str) -> dict[str, Any]:
         "stopped": {"stopped_at": "2026-01-01T00:00:00Z"} if state == "stopped" else None,
         "logs": {"count": 1, "current": "x.log", "current_size": 1},
         "progress": None,
+        "supervisor": {"state": "backoff", "restarts": 0} if state == "running-backoff" else None,
     }
 
 
@@ -153,6 +154,12 @@ CASES = [
         {"web-0": "ship", "gen": "ship", "side": "ok"},
         payloads=False,
         reasons={"gen": "payload files missing"},
+    ),
+    Case(
+        "a-crashed-server-in-its-backoff-is-restarted-now",
+        {"web-0": "running-backoff", "gen": "running", "side": "running"},
+        {"web-0": "restart", "gen": "restart", "side": "ok"},
+        reasons={"web-0": "crashed, in its supervisor's backoff"},
     ),
     Case(
         "done-job-stays-done",

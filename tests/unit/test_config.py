@@ -232,6 +232,11 @@ CHOICE_FIELDS = [
     ),
     (
         "playbooks/p.yaml",
+        "name: p\nhosts: a\njobs:\n  - {name: j, command: [x], restart: sometimes}\n",
+        "jobs[0].restart: must be one of no, on-failure, always (got 'sometimes')",
+    ),
+    (
+        "playbooks/p.yaml",
         "name: p\nhosts: a\nservices:\n  - {name: s, engine: stub, model: m, gpus: some}\n",
         "services[0].gpus: must be one of auto or a list (got 'some')",
     ),

@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fakes"))
 import harness
-from harness import HOST_PYTHON, Proc, free_port, host_env, request, run
+from harness import HOST_PYTHON, Proc, free_port, host_env, request, run, scrape
 
 B200_MIB = 183359
 UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -236,6 +236,26 @@ def test_fake_sglang_serves_and_holds_gpu_memory(tmp_path: Path) -> None:
     assert "server_args=ServerArgs(" in proc.output
 
 
+def test_fake_sglang_serves_sglang_metrics(tmp_path: Path) -> None:
+    port = free_port()
+    flags = ["--model-path", "M", "--port", str(port), "--served-model-name", "qwen36"]
+    env = host_env(tmp_path, CUDA_VISIBLE_DEVICES="0", DFLASHOPS_STUB_STARTUP_SECONDS="0.05")
+    proc = Proc(sglang_argv(*flags, "--enable-metrics"), env)
+    try:
+        proc.wait_http(port)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+        assert request(port, "POST", "/v1/chat/completions", body).status == 200
+        metrics = scrape(port)
+    finally:
+        assert proc.stop() == 0
+    assert metrics["sglang:gen_throughput"][:2] == ("gauge", {"model_name": "qwen36"})
+    assert metrics["sglang:gen_throughput"][2] > 0
+    assert metrics["sglang:generation_tokens_total"][2] == 8
+    for name in ("sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"):
+        assert metrics[name][0] == "gauge"
+    assert not [name for name in metrics if name.startswith("vllm:")]
+
+
 def test_fake_sglang_needs_enough_gpus(tmp_path: Path) -> None:
     flags = ("--model-path", "M", "--tp-size", "2", "--port", str(free_port()))
     result = run(sglang_argv(*flags), host_env(tmp_path, CUDA_VISIBLE_DEVICES="0"))
@@ -287,6 +307,26 @@ def test_fake_vllm_serves(tmp_path: Path) -> None:
         assert used[6] == used[7] == int(0.5 * B200_MIB) and used[0] == 0
     finally:
         assert proc.stop() == 0
+
+
+def test_fake_vllm_serves_vllm_metrics(tmp_path: Path) -> None:
+    port = free_port()
+    args = ["/models/target", "--port", str(port), "--served-model-name", "target"]
+    env = host_env(tmp_path, CUDA_VISIBLE_DEVICES="0", DFLASHOPS_STUB_STARTUP_SECONDS="0.05")
+    proc = Proc(vllm_argv(*args), env)
+    try:
+        proc.wait_http(port)
+        body = {"model": "target", "prompt": "hi", "max_tokens": 8}
+        assert request(port, "POST", "/v1/completions", body).status == 200
+        metrics = scrape(port)
+    finally:
+        assert proc.stop() == 0
+    labels = {"engine": "0", "model_name": "target"}
+    assert metrics["vllm:generation_tokens_total"] == ("counter", labels, 8.0)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        assert metrics[name] == ("gauge", labels, 0.0)
+    assert metrics["vllm:kv_cache_usage_perc"][0] == "gauge"
+    assert not [name for name in metrics if name.startswith("sglang:")]
 
 
 def test_fake_vllm_dp_with_narrowed_devices_crashes_like_incident_2(tmp_path: Path) -> None:

@@ -103,3 +103,30 @@ def test_the_probe_reads_vllms_own_args_from_the_log(tmp_path: Path) -> None:
     assert read_server_args(str(log)) == "{'model_tag': '/m', 'tensor_parallel_size': 2}"
     log.write_text("no such line\n")
     assert read_server_args(str(log)) is None
+
+
+def test_metrics_of_both_engines_and_of_a_server_without_them() -> None:
+    from dflashops.metrics import Memory, parse, shown
+
+    sglang = (
+        '# TYPE sglang:gen_throughput gauge\nsglang:gen_throughput{model_name="m"} 234.5\n'
+        'sglang:num_running_reqs{model_name="m"} 48\nsglang:num_queue_reqs{model_name="m"} 3\n'
+        'sglang:token_usage{model_name="m"} 0.61\n'
+    )
+    r = parse("sglang", sglang, 10.0)
+    assert (r.tok_s, r.running, r.queued, r.kv) == (234.5, 48, 3, 0.61)
+    assert shown(r.kv, "pct") == "61%" and shown(r.tok_s, "tok") == "234"
+    vllm = (
+        "# TYPE vllm:generation_tokens counter\n"
+        'vllm:generation_tokens_total{{engine="0",model_name="m"}} {}\n'
+        'vllm:num_requests_running{{engine="0",model_name="m"}} 5\n'
+    )
+    memory = Memory(persist=False)
+    first = memory.read("h/v", "vllm", vllm.format(1000), at=100.0)
+    assert first.tok_s is None and first.running == 5  # a counter: no rate from one sample
+    second = memory.read("h/v", "vllm", vllm.format(3000), at=110.0)
+    assert second.tok_s == 200.0
+    for garbage in (None, "not metrics at all {{{", "sglang:gen_throughput NaN\n"):
+        bad = parse("sglang", garbage, 1.0)
+        assert bad.tok_s is None and shown(bad.tok_s, "tok") == "-"
+    assert parse("command", sglang, 1.0).tok_s is None  # a plain command is not asked

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fakes"))
 import harness
-from harness import Proc, free_port, request
+from harness import Proc, free_port, request, scrape
 
 MODEL = "/dev/shm/Qwen3.6-27B"
 PYTHONS = [
@@ -287,6 +288,83 @@ def test_metrics_count_requests(server: int) -> None:
     assert int(line.rsplit(" ", 1)[1]) >= 1
 
 
+# The engine-flavoured metrics: sample name per role; vLLM has no throughput gauge.
+ENGINE_METRICS = {
+    "sglang": {
+        "throughput": "sglang:gen_throughput",
+        "running": "sglang:num_running_reqs",
+        "waiting": "sglang:num_queue_reqs",
+        "usage": "sglang:token_usage",
+        "generated": "sglang:generation_tokens_total",
+    },
+    "vllm": {
+        "running": "vllm:num_requests_running",
+        "waiting": "vllm:num_requests_waiting",
+        "usage": "vllm:kv_cache_usage_perc",
+        "generated": "vllm:generation_tokens_total",
+    },
+}
+
+
+def values(port: int, flavor: str) -> dict[str, float]:
+    """The engine metrics of one scrape by role, checked for type and labels on the way."""
+    samples = scrape(port)
+    other = "vllm:" if flavor == "sglang" else "sglang:"
+    assert not [name for name in samples if name.startswith(other)]
+    labels = {"model_name": "qwen36", **({"engine": "0"} if flavor == "vllm" else {})}
+    out = {}
+    for role, name in ENGINE_METRICS[flavor].items():
+        kind, got, value = samples[name]
+        assert kind == ("counter" if role == "generated" else "gauge"), name
+        assert got == labels, name
+        out[role] = value
+    assert all(s[1]["model_name"] == "qwen36" for s in samples.values())
+    return out
+
+
+@pytest.mark.parametrize("flavor", ["sglang", "vllm"])
+def test_metrics_follow_the_tokens_really_produced(flavor: str) -> None:
+    stub = _load_stub_module()
+    questions = [
+        q
+        for q in (f"question {i}" for i in range(50))
+        if stub._natural_length(stub._digest(f"user: {q}")) >= 40
+    ][:3]  # each answer is capped at exactly 40 tokens: 1 s at 40 tokens/s
+    proc, port = start_stub("--served-model-name", "qwen36", flavor=flavor, tokens_per_second="40")
+    try:
+        proc.wait_http(port)
+        idle = values(port, flavor)
+        assert idle == {role: 0.0 for role in ENGINE_METRICS[flavor]}
+        replies: list[dict] = []
+
+        def ask(question: str) -> None:
+            replies.append(chat(port, question, max_tokens=40).json())
+
+        threads = [threading.Thread(target=ask, args=(q,)) for q in questions]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while values(port, flavor)["running"] < 3:
+            assert time.monotonic() < deadline, "the three requests never ran together"
+            time.sleep(0.02)
+        time.sleep(0.2)
+        busy = values(port, flavor)
+        for t in threads:
+            t.join(10)
+        done = values(port, flavor)
+    finally:
+        proc.stop()
+    produced = sum(r["usage"]["completion_tokens"] for r in replies)
+    assert len(replies) == 3 and produced == 120
+    assert busy["running"] == 3 and busy["waiting"] == 0
+    assert busy["usage"] == pytest.approx(0.15)
+    assert 0 < busy["generated"] < produced  # tokens appear while requests run
+    assert done["generated"] == produced
+    assert done["running"] == 0 and done["usage"] == 0.0
+    if flavor == "sglang":
+        assert busy["throughput"] > 0 and done["throughput"] > 0  # still within the window
+
+
 # ----------------------------------------------------------------------------- knobs, auth
 
 
@@ -297,6 +375,7 @@ def test_reasoning_parser_api_key_and_latency() -> None:
         assert "sekret" not in proc.output
         assert request(port, "GET", "/server_info").status == 401
         assert request(port, "GET", "/v1/models").status == 401
+        assert request(port, "GET", "/metrics").status == 200  # SGLang exempts /metrics too
         wrong = {"Authorization": "Bearer nope"}
         assert request(port, "GET", "/server_info", headers=wrong).status == 401
         auth = {"Authorization": "Bearer sekret"}
@@ -353,6 +432,91 @@ def test_tokens_per_second_adds_time() -> None:
         proc.stop()
 
 
+def test_exit_after_ready_crashes_once_ready() -> None:
+    proc, port = start_stub(startup_seconds="1.5", exit_after_ready="0.5")
+    try:
+        t0 = time.monotonic()
+        statuses = proc.wait_http(port)
+        ready = time.monotonic()
+        assert statuses[0] == 503 and ready - t0 >= 1.4  # the startup delay still holds
+        assert proc.wait(5) == 1
+        crashed = time.monotonic()
+    finally:
+        proc.stop()
+    assert crashed - ready >= 0.3
+    lines = proc.lines
+    first_traceback = lines.index("Traceback (most recent call last):")
+    assert lines.index("The server is fired up and ready to roll!") < first_traceback
+    assert "simulated crash 0.5 s after ready (DFLASHOPS_STUB_EXIT_AFTER_READY)" in proc.output
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_wedge_keeps_health_but_holds_generation() -> None:
+    proc, port = start_stub(wedge_after="1.0")
+    held: list[object] = []
+    holder = None
+    try:
+        proc.wait_http(port)
+        assert request(port, "GET", "/health_generate").status == 200  # not wedged yet
+        proc.wait_for_line("engine wedged", timeout=5)
+        assert request(port, "GET", "/health").status == 200
+        with pytest.raises(TimeoutError):
+            request(port, "GET", "/health_generate", timeout=0.4)
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+            ("/v1/completions", {"prompt": "x"}),
+            ("/generate", {"text": "x"}),
+        ):
+            with pytest.raises(TimeoutError):
+                request(port, "POST", path, body, timeout=0.4)
+
+        def hold() -> None:
+            try:
+                held.append(request(port, "POST", "/v1/completions", {"prompt": "y"}, timeout=30))
+            except OSError as exc:  # the connection closes at shutdown, unanswered
+                held.append(exc)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        deadline = time.monotonic() + 5
+        while scrape(port)["sglang:num_queue_reqs"][2] < 1:
+            assert time.monotonic() < deadline, "the held request never showed as waiting"
+            time.sleep(0.05)
+        assert scrape(port)["sglang:num_running_reqs"][2] == 0
+        cpu = _cpu_seconds(proc.pid)
+        time.sleep(0.6)
+        assert _cpu_seconds(proc.pid) - cpu < 0.3  # holding costs no CPU
+        assert request(port, "GET", "/health").status == 200
+    finally:
+        t0 = time.monotonic()
+        code = proc.stop()
+        stopped = time.monotonic() - t0
+        if holder is not None:
+            holder.join(10)
+    assert code == 0 and stopped < 3  # held connections do not block shutdown
+    assert len(held) == 1 and isinstance(held[0], OSError)
+
+
+def test_ignore_term_survives_sigterm_but_not_sigkill() -> None:
+    proc, port = start_stub(ignore_term="1")
+    try:
+        proc.wait_http(port)
+        proc.popen.send_signal(signal.SIGTERM)
+        proc.wait_for_line("ignoring SIGTERM (DFLASHOPS_STUB_IGNORE_TERM)")
+        time.sleep(0.3)
+        assert proc.popen.poll() is None
+        assert request(port, "GET", "/health").status == 200
+        assert chat(port, "still there?").status == 200
+    finally:
+        code = proc.stop(signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    assert "received SIGTERM" not in proc.output
+
+
 def test_vllm_flavor() -> None:
     proc, port = start_stub("--api-key", "k", "--reasoning-parser", "qwen3", flavor="vllm")
     try:
@@ -394,3 +558,20 @@ def test_every_stub_flag_is_a_real_sglang_flag() -> None:
     assert sorted(options - known) == []
     for required in ("--model-path", "--tp-size", "--dp-size", "--port", "--api-key"):
         assert required in options
+
+
+def test_knobs_from_env() -> None:
+    stub = _load_stub_module()
+    knobs = stub.knobs_from_env(
+        {
+            "DFLASHOPS_STUB_EXIT_AFTER_READY": "2.5",
+            "DFLASHOPS_STUB_WEDGE_AFTER": "0",
+            "DFLASHOPS_STUB_IGNORE_TERM": "1",
+        }
+    )
+    assert knobs["exit_after_ready"] == 2.5 and knobs["wedge_after"] == 0.0
+    assert knobs["ignore_term"] is True and knobs["exit_after"] is None
+    quiet = stub.knobs_from_env({"DFLASHOPS_STUB_IGNORE_TERM": "0"})
+    assert quiet["ignore_term"] is False and quiet["wedge_after"] is None
+    with pytest.raises(SystemExit, match="DFLASHOPS_STUB_WEDGE_AFTER"):
+        stub.knobs_from_env({"DFLASHOPS_STUB_WEDGE_AFTER": "soon"})

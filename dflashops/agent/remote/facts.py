@@ -44,7 +44,14 @@ IMPORT_CODE = (
     "v = getattr(m, '__version__', '')\n"
     "print('\\n" + VERSION_MARK + "' + (v if isinstance(v, str) else str(v)))\n"
 )
-RECORDS = (("unit", "unit.json"), ("pid", "pid"), ("exit", "exit"), ("stopped", "stopped"))
+RECORDS = (
+    ("unit", "unit.json"),
+    ("pid", "pid"),
+    ("exit", "exit"),
+    ("stopped", "stopped"),
+    ("supervisor", "supervisor.json"),
+    ("crashed", "crashed"),
+)
 
 
 def check(request: Json) -> None:
@@ -296,6 +303,8 @@ def run(request: Json) -> Json:
     facts["files"] = section(errors, "files", {}, lambda: file_states(workdir, request["files"]))
     facts["envs"] = section(errors, "envs", {}, lambda: env_states(request["envs"]))
     facts["tools"] = {name: which(name) for name in ("uv", "hf")}
+    notify = os.path.join(workdir, "notify.json")
+    facts["notify_sha256"] = sha256_file(notify) if os.path.isfile(notify) else None
     for t in threads:
         t.join()
     facts["gpus"] = slow["gpus"]

@@ -6,6 +6,11 @@ bytes ``write`` receives). It prints exactly one line ``{"schema": SCHEMA, "acti
 ...answer}`` and exits 0, even when single units fail (their ``ok``/``error`` say why), and
 exits 2 with the reason on stderr only for a malformed request.
 ``python BUNDLE supervise UNIT_DIR`` runs a unit's supervisor instead.
+
+A first line ``{"action": "serve"}`` keeps the agent: each following line is a request
+(read-only actions: facts, probe, tail, scan) answered by one line, until stdin ends. `top`
+refreshes over one such session per host: no new channel, no new interpreter per refresh.
+A malformed request then gets an ``{"error": ...}`` line instead of exit 2.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 from .common import BadRequest, Json
 
 SCHEMA = 2
+SERVED = ("facts", "probe", "tail", "scan")
 ACTIONS = (
     "facts",
     "start",
@@ -43,6 +49,9 @@ def parse(line: bytes) -> Json:
     if not isinstance(request, dict):
         raise BadRequest("the request must be a JSON object")
     action = request.get("action")
+    if action == "serve":
+        request.setdefault("workdir", "/")
+        return request
     if action not in ACTIONS:
         raise BadRequest(f"action must be one of {', '.join(ACTIONS)}, got {action!r}")
     workdir = request.get("workdir")
@@ -67,16 +76,37 @@ def handle(request: Json, stdin: Any) -> Json:
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["supervise"] and len(argv) == 2:
+    if argv[:1] == ["supervise"] and len(argv) in (2, 3):
         from . import supervisor
 
-        return supervisor.main(os.path.abspath(argv[1]))
+        keep = int(argv[2]) if len(argv) == 3 and argv[2].isdigit() else 20
+        return supervisor.main(os.path.abspath(argv[1]), keep)
     stdin = sys.stdin.buffer
     try:
-        answer = handle(parse(stdin.readline()), stdin)
+        request = parse(stdin.readline())
+        if request["action"] == "serve":
+            return serve(stdin)
+        answer = handle(request, stdin)
     except BadRequest as exc:
         sys.stderr.write(f"dflashops agent: bad request: {exc}\n")
         return 2
+    reply(answer)
+    return 0
+
+
+def reply(answer: Json) -> None:
     sys.stdout.write(json.dumps(answer, separators=(",", ":")) + "\n")
     sys.stdout.flush()
+
+
+def serve(stdin: Any) -> int:
+    """Answer request lines until stdin ends (the controller closed the session)."""
+    for line in iter(stdin.readline, b""):
+        try:
+            request = parse(line)
+            if request["action"] not in SERVED:
+                raise BadRequest(f"{request['action']} is not served in a session")
+            reply(handle(request, stdin))
+        except BadRequest as exc:
+            reply({"schema": SCHEMA, "action": None, "error": f"bad request: {exc}"})
     return 0

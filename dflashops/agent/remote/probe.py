@@ -1,10 +1,13 @@
-"""``probe``: process state, health, identity, banner and (for a dead unit) its log tail.
+"""``probe``: process state, health, identity, metrics, banner and (for a dead unit) its log
+tail; with ``gpus``, nvidia-smi too: everything `status` and `top` show, in one call.
 
-Request: ``units: [{name, host, port, health_path, identity_paths, headers}]`` (``port`` or
-``health_path`` null: process and log only), ``http_timeout`` (s, 5), ``log_lines`` (30).
-Answer: ``units: {name: {alive, ours, pid, reason, log, exit, stopped, health, identity, banner,
-server_args, log_tail, errors}}``. Every unit is probed at once; the call takes about one
-``http_timeout`` however many units hang.
+Request: ``units: [{name, host, port, health_path, identity_paths, metrics_path, headers}]``
+(``port`` or ``health_path`` null: process and log only), ``http_timeout`` (s, 5),
+``log_lines`` (30), ``gpus`` (bool). Answer: ``units: {name: {alive, ours, pid, started_at,
+reason, log, exit, stopped, crashed, supervisor, progress, health, identity, metrics, banner,
+server_args, log_tail, errors}}``, ``gpus``, ``time``. Every unit is probed at once; the call
+takes about one ``http_timeout`` however many units hang. Metrics are fetched, not parsed: the
+controller reads them with prometheus_client.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import json
 import os
 import time
 
-from . import logs, ownership, procfs, web
+from . import gpu, logs, ownership, procfs, web
 from .common import (
     BadRequest,
     Json,
@@ -26,6 +29,15 @@ from .common import (
 )
 
 BODY_MAX = 256 * 1024  # identity answers
+RECORDS = (
+    ("exit", "exit"),
+    ("stopped", "stopped"),
+    ("crashed", "crashed"),
+    ("supervisor", "supervisor.json"),
+    ("progress", "progress.json"),
+    ("pid_record", "pid"),
+)
+METRICS_MAX = 2 * 1024 * 1024
 
 
 def check(request: Json) -> None:
@@ -42,6 +54,9 @@ def check(request: Json) -> None:
             isinstance(p, str) and p.startswith("/") for p in paths
         ):
             raise BadRequest(f"units[{i}].identity_paths must be a list of paths")
+        metrics = u.setdefault("metrics_path", None)
+        if metrics is not None and (not isinstance(metrics, str) or not metrics.startswith("/")):
+            raise BadRequest(f"units[{i}].metrics_path must start with / (or be null)")
         headers = u.setdefault("headers", {})
         if not isinstance(headers, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
@@ -61,6 +76,14 @@ def probe_http(spec: Json, timeout: float, slot: Json) -> None:
     host, port, headers = spec["host"], spec["port"], spec["headers"]
     got = web.request(host, port, spec["health_path"], timeout=timeout, headers=headers)
     slot["health"] = {"status": got["status"], "error": got["error"]}
+    if spec["metrics_path"] and got["status"] is not None:
+        left = max(0.05, deadline - time.monotonic())
+        found = web.request(
+            host, port, spec["metrics_path"], timeout=left, limit=METRICS_MAX, headers=headers
+        )
+        body = found["body"] or b""
+        if found["status"] == 200 and len(body) <= METRICS_MAX:
+            slot["metrics"] = body.decode("utf-8", "replace")
     if got["status"] != 200 or not spec["identity_paths"]:
         return
     identity: Json = {"path": None, "status": None, "body": None, "error": None}
@@ -98,26 +121,33 @@ def unit_files(folder: str, boot: str | None, log_lines: int) -> Json:
         "alive": view["alive"],
         "ours": view["ours"],
         "pid": view["pid"],
+        "started_at": None,
         "reason": view["reason"],
         "log": None,
         "exit": None,
         "stopped": None,
+        "crashed": None,
+        "supervisor": None,
+        "progress": None,
         "banner": None,
         "server_args": None,
         "log_tail": None,
         "errors": [],
     }
-    for key in ("exit", "stopped"):
+    for key, filename in RECORDS:
         try:
-            out[key] = read_json_object(os.path.join(folder, key))
+            out[key] = read_json_object(os.path.join(folder, filename))
         except (OSError, ValueError) as exc:
             out["errors"].append(f"{key}: {exc}")
+    pid_record = out.pop("pid_record", None) or {}
+    out["started_at"] = pid_record.get("started_at")
     out["log"], path = logs.current(folder)
     if path is not None:
         try:
             out["banner"] = logs.read_banner(path)
             out["server_args"] = logs.read_server_args(path)
-            if not (view["alive"] and view["ours"]):
+            restarting = (out["supervisor"] or {}).get("state") in ("backoff", "waiting-gpu")
+            if not (view["alive"] and view["ours"]) or restarting:  # down: its log says why
                 data, _ = logs.tail_bytes(path, log_lines)
                 out["log_tail"] = data.decode("utf-8", "replace").splitlines()
         except OSError as exc:
@@ -140,6 +170,13 @@ def run(request: Json) -> Json:
         except Exception as exc:
             slots[spec["name"]].setdefault("health", {"status": None, "error": describe(exc)})
 
+    gpus: Json = {}
+    gpus_thread = None
+    if request.get("gpus"):  # nvidia-smi is slow: it runs while the units are probed
+        gpus_thread = threading.Thread(
+            target=lambda: gpus.update(found=gpu.gather(max(1.0, timeout))), daemon=True
+        )
+        gpus_thread.start()
     threads = [threading.Thread(target=one, args=(s,), daemon=True) for s in specs if wants_http(s)]
     for t in threads:
         t.start()
@@ -158,9 +195,10 @@ def run(request: Json) -> Json:
     for spec in specs:
         unit = units[spec["name"]]
         slot = dict(slots[spec["name"]])  # a snapshot: a late thread may still write
-        unit["health"] = unit["identity"] = None
+        unit["health"] = unit["identity"] = unit["metrics"] = None
         if not wants_http(spec):
             continue
+        unit["metrics"] = slot.get("metrics")
         unit["health"] = slot.get("health") or {"status": None, "error": "timed out"}
         if unit["health"]["status"] == 200 and spec["identity_paths"]:
             unit["identity"] = slot.get("identity") or {
@@ -169,4 +207,8 @@ def run(request: Json) -> Json:
                 "body": None,
                 "error": "timed out",
             }
-    return {"units": units, "elapsed_s": round(time.monotonic() - started, 3)}
+    if gpus_thread is not None:
+        gpus_thread.join()
+    out: Json = {"units": units, "time": time.time(), "gpus": gpus.get("found")}
+    out["elapsed_s"] = round(time.monotonic() - started, 3)
+    return out

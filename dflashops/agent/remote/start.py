@@ -30,6 +30,7 @@ from .common import (
     write_atomic,
     write_json_atomic,
 )
+from .supervisor import STOP_MARK
 
 RESULT_KEYS = ("pid", "pgid", "start_time", "log", "error")
 
@@ -91,7 +92,8 @@ def spawn(folder: str, agent: str, keep_logs: int, boot: str) -> Json:
     supervisor itself when it restarts a crashed unit (then without a new session)."""
     import subprocess
 
-    for stale in ("exit", "stopped", "progress.json"):
+    # A new start: the previous run's outcome, stop request and restart history go with it.
+    for stale in ("exit", "stopped", "progress.json", STOP_MARK, "crashed", "supervisor.json"):
         remove(os.path.join(folder, stale))
     log_name, fd = logs.new_log(folder, keep_logs)
     # Every process of this start inherits the run id: proof of membership for stop when the
@@ -99,7 +101,7 @@ def spawn(folder: str, agent: str, keep_logs: int, boot: str) -> Json:
     run_id = os.urandom(8).hex()
     try:
         proc = subprocess.Popen(
-            [sys.executable, agent, "supervise", folder],
+            [sys.executable, agent, "supervise", folder, str(keep_logs)],
             env=dict(os.environ, **{ownership.RUN_ID_VAR: run_id}),
             start_new_session=True,  # outlives this call and the SSH session; pgid == pid
             stdin=subprocess.DEVNULL,

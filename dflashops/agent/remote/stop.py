@@ -31,6 +31,7 @@ from .common import (
     which,
     write_json_atomic,
 )
+from .supervisor import STOP_MARK
 
 POLL_S = 0.1
 DEFAULT_GRACE = 30.0
@@ -141,6 +142,8 @@ def terminate(units: list[Stopping], boot: str | None) -> None:
             continue
         u.result["was_running"] = True
         u.seen.update(alive)
+        # First: the supervisor must never start it again (even if it is crashing right now).
+        write_json_atomic(os.path.join(u.dir, STOP_MARK), {"at": now_iso()})
         problem = ownership.signal_members(u.rec, boot, alive, signal.SIGTERM)
         if problem:
             u.fail(problem)

@@ -1,67 +1,337 @@
-"""The unit's supervisor: session leader of the unit, runs ``launch.sh``, records how it ended.
+"""The unit's supervisor: session leader of the unit, runs ``launch.sh``, records how it ended,
+and heals it on the host (DESIGN.md "Days of running"), with no controller needed.
 
-Run as ``python WORKDIR/agent/<sha>.py supervise UNIT_DIR`` by ``start``. A job's outcome is its
-exit code and nobody else can learn it (start returned long ago, its SSH session is gone), so
-the supervisor waits for ``bash launch.sh`` (which execs the engine) and writes ``exit``. Its
-pid is the recorded pid and pgid, which makes the unit's process group provable.
+Run as ``python WORKDIR/agent/<sha>.py supervise UNIT_DIR KEEP_LOGS`` by ``start``. Its pid is
+the recorded pid and pgid, which makes the unit's process group provable. It reads its policy
+from ``unit.json`` (``supervise``: restart, backoff, limit, liveness, stop_grace):
+
+- When launch.sh ends (or liveness fails) and the policy says so, the crash is recorded, the
+  unit's other processes are ended (they are in its group), and after the backoff (doubling from
+  ``initial`` to ``max``) and once nvidia-smi no longer lists the crashed processes, launch.sh
+  runs again with a new log. More than ``limit.count`` restarts within ``limit.window``: the
+  unit is ``crashed`` and stays down.
+- Liveness: once the unit has answered its probe path once, ``failures`` failed probes in a
+  row end it as a crash would be ended (TERM, grace, KILL) and it restarts.
+- ``stop`` writes ``stop-requested`` before it signals: the supervisor never starts the unit
+  again after that, whatever it was doing (waiting out a backoff, or seeing a crash).
+- Each restart and the give-up are posted to the host's webhook (WORKDIR/notify.json, 0600),
+  with the log's last lines and no secret in them; a webhook that fails is logged, never waited on.
 
 Its TERM/INT/HUP handlers do nothing, so the group-wide TERM of stop does not end it before it
 has recorded how the engine ended. Handlers, unlike SIG_IGN, are reset by exec, so bash and the
 engine still die on TERM. KILL takes everything down; stop then records the stop itself.
+State for ``status`` is in ``supervisor.json``: state, child, restarts, the last crashes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
-from .common import Json, now_iso, write_json_atomic
+from . import gpu, logs, procfs, web
+from .common import Json, describe, now_iso, read_json_object, write_json_atomic
+
+STOP_MARK = "stop-requested"
+HISTORY = 20
+TAIL_LINES = 30
+NOTIFY_TIMEOUT = 10.0
+GPU_TIMEOUT = 60.0
 
 
-def say(line: str) -> None:
-    sys.stdout.write(f"[dflashops] {line}\n")
+def say(line: str, who: str = "supervisor: ") -> None:
+    sys.stdout.write(f"[dflashops] {who}{line}\n")
     sys.stdout.flush()
 
 
-def run_once(folder: str) -> Json:
-    """Run launch.sh to its end: the exit record."""
-    record: Json = {"code": None, "signal": None, "finished_at": None, "child_pid": None}
-    try:
-        child = subprocess.Popen(["bash", "launch.sh"], cwd=folder, stdin=subprocess.DEVNULL)
-    except OSError as exc:
-        say(f"supervisor: cannot run launch.sh: {exc}")
-        record["code"] = 127
-    else:
-        record["child_pid"] = child.pid
-        rc = child.wait()
-        if rc < 0:
-            try:
-                record["signal"] = signal.Signals(-rc).name
-            except ValueError:
-                record["signal"] = f"SIG{-rc}"
-            record["code"] = 128 - rc
+class Supervisor:
+    def __init__(self, folder: str, keep_logs: int) -> None:
+        self.folder = folder
+        self.keep_logs = keep_logs
+        record = read_json_object(os.path.join(folder, "unit.json")) or {}
+        self.name = str(record.get("unit") or os.path.basename(folder))
+        self.policy: Json = record.get("supervise") or {}
+        self.restarts = 0
+        self.streak = 0  # crashes in a row (a run longer than the backoff's max ends a streak)
+        self.history: list[Json] = []
+        self.child: subprocess.Popen[bytes] | None = None
+        self.liveness_failed = threading.Event()
+        self.notices: list[threading.Thread] = []
+
+    # -- state -------------------------------------------------------------------------------
+
+    def stop_requested(self) -> bool:
+        return os.path.exists(os.path.join(self.folder, STOP_MARK))
+
+    def state(self, state: str, **extra: Any) -> None:
+        body = {
+            "state": state,
+            "since": now_iso(),
+            "child_pid": self.child.pid if self.child is not None else None,
+            "restarts": self.restarts,
+            "history": self.history[-HISTORY:],
+            **extra,
+        }
+        write_json_atomic(os.path.join(self.folder, "supervisor.json"), body)
+
+    # -- one run of launch.sh ----------------------------------------------------------------
+
+    def run_once(self) -> Json:
+        record: Json = {"code": None, "signal": None, "finished_at": None, "child_pid": None}
+        try:
+            self.child = subprocess.Popen(
+                ["bash", "launch.sh"], cwd=self.folder, stdin=subprocess.DEVNULL
+            )
+        except OSError as exc:
+            say(f"cannot run launch.sh: {exc}")
+            record["code"] = 127
         else:
-            record["code"] = rc
-    record["finished_at"] = now_iso()
-    return record
+            record["child_pid"] = self.child.pid
+            self.state("running")
+            self.liveness_failed.clear()
+            watch = self.watch_liveness()
+            rc = self.child.wait()
+            if watch is not None:
+                watch.set()
+            if rc < 0:
+                try:
+                    record["signal"] = signal.Signals(-rc).name
+                except ValueError:
+                    record["signal"] = f"SIG{-rc}"
+                record["code"] = 128 - rc
+            else:
+                record["code"] = rc
+        record["finished_at"] = now_iso()
+        if self.liveness_failed.is_set():
+            record["reason"] = "liveness"
+        return record
+
+    def watch_liveness(self) -> threading.Event | None:
+        spec = self.policy.get("liveness")
+        if not spec or not spec.get("port"):
+            return None
+        done = threading.Event()
+        threading.Thread(target=self._liveness, args=(spec, done), daemon=True).start()
+        return done
+
+    def _liveness(self, spec: Json, done: threading.Event) -> None:
+        """Probe once the unit has answered once; `failures` in a row end it."""
+        answered, failures = False, 0
+        while not done.wait(float(spec["interval"]) if answered else 1.0):
+            got = web.request(
+                spec.get("host") or "127.0.0.1",
+                int(spec["port"]),
+                spec["path"],
+                timeout=float(spec["timeout"]),
+                headers=spec.get("headers") or {},
+            )
+            ok = got["status"] == 200
+            if ok:
+                answered, failures = True, 0
+                continue
+            if not answered:
+                continue  # still starting: readiness is deploy's business, not liveness'
+            failures += 1
+            say(
+                f"liveness {spec['path']} failed ({got['error'] or got['status']}), {failures} of {spec['failures']}"
+            )
+            if failures >= int(spec["failures"]):
+                self.liveness_failed.set()
+                self.notify("liveness_failed", {"code": None, "signal": None})
+                self.end_child(float(self.policy.get("stop_grace") or 30))
+                return
+
+    # -- ending what is left -------------------------------------------------------------------
+
+    def others(self) -> list[int]:
+        """Live processes of the unit's group (the supervisor's), but the supervisor."""
+        me = os.getpid()
+        groups, _ = procfs.scan({me}, set())
+        return [pid for pid, _, _ in groups.get(me, []) if pid != me]
+
+    def end_child(self, grace: float) -> None:
+        """TERM the unit's processes, KILL what is left after the grace: never ourselves."""
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            pids = self.others()
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + wait
+            while self.others() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not self.others():
+                return
+
+    # -- notices -----------------------------------------------------------------------------
+
+    def notify(self, event: str, record: Json) -> None:
+        """POST the event to the host's webhook in the background; failures are logged."""
+        try:
+            target = (
+                read_json_object(
+                    os.path.join(os.path.dirname(os.path.dirname(self.folder)), "notify.json")
+                )
+                or {}
+            )
+        except (OSError, ValueError):
+            target = {}
+        url = target.get("webhook")
+        if not url:
+            return
+        secrets = [url, *secret_values(self.folder)]
+        tail = logs.tail_lines(self.folder, TAIL_LINES) or []
+        body = {
+            "host": target.get("host"),
+            "unit": self.name,
+            "event": event,
+            "exit_code": record.get("code"),
+            "signal": record.get("signal"),
+            "restarts": self.restarts,
+            "at": now_iso(),
+            "log_tail": [redact(line, secrets) for line in tail],
+        }
+        thread = threading.Thread(target=self._post, args=(url, body), daemon=True)
+        thread.start()
+        self.notices.append(thread)
+
+    def _post(self, url: str, body: Json) -> None:
+        got = web.post_json(url, body, NOTIFY_TIMEOUT)
+        if got["status"] is None or not 200 <= int(got["status"]) < 300:
+            why = got["error"] or f"HTTP {got['status']}"
+            say(f"webhook for {body['event']} failed: {why} (the unit is not held up by it)")
+            line = json.dumps({"at": now_iso(), "event": body["event"], "error": why})
+            with open(os.path.join(self.folder, "notify.log"), "a") as f:
+                f.write(line + "\n")
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def backoff(self, ran: float) -> float:
+        """initial, doubling with each crash in a row, at most max."""
+        initial, top = (float(x) for x in self.policy.get("backoff") or (10.0, 300.0))
+        self.streak = 1 if ran > top else self.streak + 1
+        return float(min(top, initial * 2 ** (self.streak - 1)))
+
+    def gave_up(self) -> bool:
+        """More crashes within the window than restarts allowed."""
+        count, window = self.policy.get("limit") or (5, 3600.0)
+        now = time.time()
+        return sum(1 for h in self.history if now - h["t"] <= float(window)) > int(count)
+
+    def should_restart(self, record: Json) -> bool:
+        policy = self.policy.get("restart") or "no"
+        if self.stop_requested() or policy == "no":
+            return False
+        return policy == "always" or record.get("reason") == "liveness" or record["code"] != 0
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep, but stop waiting at once when stop asks; True when it did."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.stop_requested():
+                return True
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        return self.stop_requested()
+
+    def run(self) -> int:
+        while True:
+            started = time.monotonic()
+            record = self.run_once()
+            how = f"killed by {record['signal']}, " if record["signal"] else ""
+            reason = " after failing liveness" if record.get("reason") == "liveness" else ""
+            say(
+                f"launch.sh ended ({how}exit code {record['code']}){reason} at {record['finished_at']} after {time.monotonic() - started:.1f}s",
+                who="",
+            )
+            write_json_atomic(os.path.join(self.folder, "exit"), record)
+            if not self.should_restart(record):
+                break
+            seen = {record["child_pid"], *self.others()} - {None}
+            self.end_child(float(self.policy.get("stop_grace") or 30))
+            self.history.append({**record, "t": time.time(), "at": record["finished_at"]})
+            if self.gave_up():
+                count, window = self.policy.get("limit") or (5, 3600)
+                say(f"more than {count} restarts within {window:g}s: crashed, no more restarts")
+                self.state("crashed")
+                write_json_atomic(
+                    os.path.join(self.folder, "crashed"),
+                    {"at": now_iso(), "restarts": self.restarts, "last": record},
+                )
+                self.notify("gave_up", record)
+                break
+            delay = self.backoff(time.monotonic() - started)
+            self.state("backoff", next_start_in=delay)
+            say(f"restarting in {delay:g}s")
+            if self.wait(delay):
+                break
+            self.state("waiting-gpu")
+            freed = gpu.wait_released({int(p) for p in seen}, GPU_TIMEOUT, self.stop_requested)
+            if freed["freed"] is False:
+                say(
+                    f"GPU memory still held after {GPU_TIMEOUT:g}s: {gpu.held_text(freed['held'])}; restarting anyway"
+                )
+            if self.stop_requested():
+                break
+            name, fd = logs.new_log(self.folder, self.keep_logs)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+            self.restarts += 1
+            say(
+                f"restart {self.restarts} (the previous run's log is kept); this log is logs/{name}"
+            )
+            self.notify("restarted", record)
+        self.state("crashed" if os.path.exists(os.path.join(self.folder, "crashed")) else "ended")
+        for thread in self.notices:
+            thread.join(NOTIFY_TIMEOUT + 1)
+        return 0
 
 
-def main(folder: str) -> int:
+def secret_values(folder: str) -> list[str]:
+    """The unit's secret values (secrets.env, which is the unit's own): never in a notice."""
+    import shlex
+
+    out: list[str] = []
+    try:
+        with open(os.path.join(folder, "secrets.env")) as f:
+            for line in f:
+                _, eq, value = line.strip().partition("=")
+                if eq:
+                    out.extend(v for v in shlex.split(value) if len(v) >= 4)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def redact(line: str, secrets: list[str]) -> str:
+    for secret in sorted(secrets, key=len, reverse=True):
+        line = line.replace(secret, "***")
+    return line
+
+
+def main(folder: str, keep_logs: int = 20) -> int:
     def ignore(signum: int, frame: Any) -> None:
         pass
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, ignore)
-    started = time.monotonic()
-    record = run_once(folder)
-    how = f"killed by {record['signal']}, " if record["signal"] else ""
-    say(
-        f"launch.sh ended ({how}exit code {record['code']}) at {record['finished_at']} "
-        f"after {time.monotonic() - started:.1f}s"
-    )
-    write_json_atomic(os.path.join(folder, "exit"), record)
-    return 0
+    try:
+        return Supervisor(folder, keep_logs).run()
+    except Exception as exc:  # the unit's own records must say what happened to it
+        say(f"failed: {describe(exc)}")
+        write_json_atomic(
+            os.path.join(folder, "exit"),
+            {
+                "code": 70,
+                "signal": None,
+                "finished_at": now_iso(),
+                "child_pid": None,
+                "reason": describe(exc),
+            },
+        )
+        return 70

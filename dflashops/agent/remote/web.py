@@ -46,3 +46,27 @@ def request(
     finally:
         conn.close()
     return out
+
+
+def post_json(url: str, body: Json, timeout: float) -> Json:
+    """POST ``body`` as JSON to ``url`` (http or https): {status, error}. Never raises."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return {"status": resp.status, "error": None}
+    except urllib.error.HTTPError as exc:
+        return {"status": exc.code, "error": f"HTTP {exc.code}"}
+    except urllib.error.URLError as exc:
+        return {
+            "status": None,
+            "error": describe(exc.reason)
+            if isinstance(exc.reason, BaseException)
+            else str(exc.reason),
+        }
+    except (OSError, ValueError) as exc:
+        return {"status": None, "error": describe(exc)}

@@ -9,8 +9,9 @@
    indices, else all of $FAKE_GPU_STATE's), starting at --base-gpu-id. Too few: a CUDA-like
    ``RuntimeError: CUDA error: invalid device ordinal`` and exit status 1. Otherwise it registers
    mem_fraction_static (default 0.8) x the GPU's memory on each of them for the fake nvidia-smi.
-4. Then it serves the stub engine in-process with SGLang's endpoints and readiness line; the
-   DFLASHOPS_STUB_* environment knobs apply.
+4. Then it serves the stub engine in-process with SGLang's endpoints, readiness line and
+   /metrics names (sglang:gen_throughput, sglang:num_running_reqs, ...); the DFLASHOPS_STUB_*
+   environment knobs apply.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@
    then the API server's ``BrokenPipeError: [Errno 32] Broken pipe``, and exits 1.
 4. Otherwise it needs tp * dp * pp visible GPUs (else a CUDA-like error, exit 1), registers
    gpu_memory_utilization (default 0.9) x the GPU's memory on each for the fake nvidia-smi,
-   and serves the stub engine with vLLM's endpoints (/health, /version, /v1/*, /metrics; the
-   api key protects /v1 only). The default host is 127.0.0.1, not vLLM's 0.0.0.0: a test
+   and serves the stub engine with vLLM's endpoints (/health, /version, /v1/*, /metrics with
+   vLLM's names such as vllm:generation_tokens_total; the api key protects /v1 only). The default host is 127.0.0.1, not vLLM's 0.0.0.0: a test
    double should not listen on every interface.
 """
 

@@ -1,0 +1,345 @@
+"""top: a live view of the fleet's servers and jobs, from the hosts and the engines themselves.
+
+Each refresh is one agent call per host (``probe`` with nvidia-smi: processes, health, the
+engines' /metrics, jobs' progress, supervisors' restarts) over SSH connections kept open between
+refreshes; a host that drops out shows as unreachable and is reconnected on the next refresh.
+Servers: state, tok/s, running/queued requests, KV-cache use, GPU utilisation and memory,
+restarts, uptime. Jobs: a progress bar, done/total, rate, ETA, failures. Totals per host and
+for the fleet, and a sparkline of the fleet's throughput over the session. ``--once`` prints
+one frame (for scripts and tests): exit 0 whatever the units' states, 2 when no host answered.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from dflashops.agent.answers import ProbeResult, UnitProbe
+from dflashops.agent.client import Session
+from dflashops.commands.common import Target, prepare
+from dflashops.commands.table import DEFAULT_FORKS
+from dflashops.config.inventory import Host
+from dflashops.config.types import parse_duration
+from dflashops.errors import DflashopsError
+from dflashops.events import EventLog
+from dflashops.lifecycle import HostRun, Options, probe_spec
+from dflashops.metrics import Memory, Reading, shown
+from dflashops.output import escape
+from dflashops.render import Rendered
+from dflashops.run import on_hosts
+
+SPARK = "▁▂▃▄▅▆▇█"
+HISTORY = 60
+
+
+@dataclass
+class HostView:
+    result: ProbeResult | None = None
+    error: str | None = None
+    readings: dict[str, Reading] = field(default_factory=dict)
+
+
+class Watch:
+    """The fleet, refreshed: one probe per host per refresh. With ``keep`` (what `top` does)
+    each host has one SSH connection and one agent session (``serve``) for the whole watch, so
+    a refresh is a request line and an answer line; without it, each refresh connects and runs
+    a fresh agent (what the benchmark compares it with)."""
+
+    def __init__(self, target: Target, forks: int, keep: bool = True) -> None:
+        self.target = target
+        self.forks = forks
+        self.keep = keep
+        self.runs: dict[str, HostRun] = {}
+        self.sessions: dict[str, Session] = {}
+        self.memory = Memory(persist=False)
+        self.views: dict[str, HostView] = {h: HostView() for h in target.hosts}
+        self.totals: list[float] = []  # the fleet's tok/s, refresh by refresh
+        self.lock = threading.Lock()
+
+    def _run(self, host: Host) -> HostRun:
+        run = self.runs.get(host.name)
+        if run is None or not self.keep:
+            run = self.target.run(host, EventLog(Console(quiet=True)), Options())
+            self.runs[host.name] = run
+        return run
+
+    def _look(self, host: Host) -> ProbeResult:
+        run = self._run(host)
+        specs = [probe_spec(r, metrics=True) for r in run.rendered]
+        try:
+            if not self.keep:
+                return run.agent.observe(host.workdir, specs)
+            session = self.sessions.get(host.name)
+            if session is None:
+                session = self.sessions[host.name] = Session(run.agent)
+            return session.observe(host.workdir, specs)
+        except DflashopsError:
+            self.drop(host.name)  # reconnect next time: the host may come back
+            raise
+        finally:
+            if not self.keep:
+                self.drop(host.name)
+
+    def drop(self, name: str) -> None:
+        session = self.sessions.pop(name, None)
+        if session is not None:
+            session.close()
+        run = self.runs.pop(name, None)
+        if run is not None:
+            run.conn.close()
+
+    def refresh(self) -> None:
+        outcomes = on_hosts(list(self.target.hosts.values()), self._look, self.forks)
+        total = 0.0
+        for name, outcome in outcomes.items():
+            view = HostView(error=outcome.error)
+            if outcome.value is not None:
+                view.result = outcome.value
+                at = outcome.value.time or time.time()
+                for r in self.target.rendered.get(name, []):
+                    probe = outcome.value.units.get(r.unit.name)
+                    reading = self.memory.read(
+                        f"{name}/{r.unit.name}", r.unit.engine, probe.metrics if probe else None, at
+                    )
+                    view.readings[r.unit.name] = reading
+                    total += reading.tok_s or 0.0
+            self.views[name] = view
+        self.totals = [*self.totals, total][-HISTORY:]
+
+    def close(self) -> None:
+        for name in list(self.runs):
+            self.drop(name)
+
+    @property
+    def reached(self) -> int:
+        return sum(1 for v in self.views.values() if v.result is not None)
+
+
+def sparkline(values: list[float]) -> str:
+    if not values:
+        return ""
+    top = max(values) or 1.0
+    return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1)))] for v in values)
+
+
+def unit_state(r: Rendered, p: UnitProbe | None) -> str:
+    if p is None:
+        return "?"
+    sup = p.supervisor
+    if p.running:
+        if sup is not None and sup.restarting:
+            return "restarting"
+        if r.unit.kind == "job" or r.unit.port is None:
+            return "running"
+        return "ready" if p.healthy else "starting"
+    if p.crashed is not None and p.stopped is None:
+        return "crashed"
+    if p.stopped is not None:
+        return "stopped"
+    if p.exit is not None and p.exit.code is not None:
+        if r.unit.kind == "job":
+            return "done" if p.exit.code == 0 else "failed"
+        return "dead"
+    return "absent" if p.pid is None else "dead"
+
+
+def uptime(p: UnitProbe | None, now: float) -> str:
+    if p is None or not p.running or not p.started_at:
+        return "-"
+    try:
+        began = datetime.strptime(p.started_at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    except ValueError:
+        return "-"
+    return duration(now - began.timestamp())
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(seconds))
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def bar(done: float, total: float, width: int = 20) -> str:
+    filled = int(width * min(1.0, done / total)) if total else 0
+    return "█" * filled + "░" * (width - filled)
+
+
+STATE_STYLE = {
+    "ready": "green",
+    "running": "green",
+    "done": "green",
+    "starting": "yellow",
+    "restarting": "yellow",
+    "stopped": "dim",
+    "absent": "dim",
+}
+
+
+def frame(watch: Watch) -> Group:
+    now = time.time()
+    servers = Table(
+        "host",
+        "unit",
+        "state",
+        "tok/s",
+        "run",
+        "queue",
+        "KV",
+        "GPU%",
+        "GPU mem",
+        "restarts",
+        "uptime",
+        title="servers",
+        box=None,
+        title_justify="left",
+    )
+    jobs = Table(
+        "host",
+        "unit",
+        "state",
+        "progress",
+        "done/total",
+        "rate",
+        "ETA",
+        "failed",
+        title="jobs",
+        box=None,
+        title_justify="left",
+    )
+    totals = Table(
+        "host",
+        "servers ready",
+        "tok/s",
+        "running",
+        "queued",
+        title="totals",
+        box=None,
+        title_justify="left",
+    )
+    fleet = [0.0, 0, 0, 0.0, 0.0]
+    for name, view in watch.views.items():
+        if view.result is None:
+            reason = escape((view.error or "no answer yet").removeprefix(f"[{name}] ")[:80])
+            servers.add_row(name, "-", "[red]unreachable[/]", reason)
+            continue
+        result = view.result
+        gpus = result.gpus
+        host_tok, host_ready, host_servers, host_run, host_queue = 0.0, 0, 0, 0.0, 0.0
+        for r in watch.target.rendered.get(name, []):
+            p = result.units.get(r.unit.name)
+            state = unit_state(r, p)
+            style = STATE_STYLE.get(state, "red")
+            restarts = str(p.supervisor.restarts if p and p.supervisor else 0)
+            if r.unit.kind == "service":
+                m = view.readings.get(r.unit.name) or Reading()
+                util, mem = "-", "-"
+                if gpus is not None and gpus.devices:
+                    devices = [d for d in gpus.devices if d.index in r.unit.gpus]
+                    utils = [d.utilization_pct for d in devices if d.utilization_pct is not None]
+                    util = f"{sum(utils) / len(utils):.0f}%" if utils else "-"
+                    used = sum(d.memory_used_mib or 0 for d in devices)
+                    mem = f"{used / 1024:.0f}G" if devices else "-"
+                servers.add_row(
+                    name,
+                    r.unit.name,
+                    f"[{style}]{state}[/]",
+                    shown(m.tok_s, "tok"),
+                    shown(m.running, "n"),
+                    shown(m.queued, "n"),
+                    shown(m.kv, "pct"),
+                    util,
+                    mem,
+                    restarts,
+                    uptime(p, result.time or now),
+                )
+                host_servers += 1
+                host_ready += state == "ready"
+                host_tok += m.tok_s or 0.0
+                host_run += m.running or 0.0
+                host_queue += m.queued or 0.0
+            else:
+                prog = (p.progress if p else None) or {}
+                done, total = prog.get("done") or 0, prog.get("total") or 0
+                rate = prog.get("requests_per_s")
+                jobs.add_row(
+                    name,
+                    r.unit.name,
+                    f"[{style}]{state}[/]",
+                    bar(done, total) if total else "-",
+                    f"{done:,}/{total:,}" if total else "-",
+                    f"{rate:.1f}/s" if isinstance(rate, (int, float)) else "-",
+                    duration(prog.get("eta_s")) if state == "running" else "-",
+                    str(prog.get("failed", "-")),
+                )
+        totals.add_row(
+            name,
+            f"{host_ready}/{host_servers}",
+            shown(host_tok, "tok"),
+            shown(host_run, "n"),
+            shown(host_queue, "n"),
+        )
+        fleet[0] += host_tok
+        fleet[1] += host_ready
+        fleet[2] += host_servers
+        fleet[3] += host_run
+        fleet[4] += host_queue
+    totals.add_row(
+        "[bold]fleet[/]",
+        f"{fleet[1]}/{fleet[2]}",
+        shown(fleet[0], "tok"),
+        shown(fleet[3], "n"),
+        shown(fleet[4], "n"),
+    )
+    stamp = datetime.now(timezone.utc).strftime("%H:%M:%SZ")
+    head = Text(
+        f"dflashops top  {stamp}  {watch.reached}/{len(watch.views)} host(s)  fleet {fleet[0]:,.0f} tok/s  {sparkline(watch.totals)}"
+    )
+    return Group(head, servers, jobs, totals)
+
+
+def top(
+    out: Console,
+    *,
+    inventory: str | None = None,
+    hosts: Any = None,
+    playbooks: list[str] | None = None,
+    interval: str = "2s",
+    once: bool = False,
+    forks: int = DEFAULT_FORKS,
+) -> int:
+    try:
+        every = parse_duration(interval)
+    except ValueError as exc:
+        raise DflashopsError(f"--interval {interval!r}: {exc}") from None
+    target = prepare(out, inventory, hosts, playbooks)
+    watch = Watch(target, forks)
+    try:
+        watch.refresh()
+        if once:
+            if any(r.unit.engine == "vllm" for rs in target.rendered.values() for r in rs):
+                time.sleep(1.0)  # vLLM counts tokens: a rate needs a second sample
+                watch.refresh()
+            out.print(frame(watch))
+            return 0 if watch.reached else 2
+        with Live(frame(watch), console=out, screen=out.is_terminal, auto_refresh=False) as live:
+            while True:
+                time.sleep(every)
+                watch.refresh()
+                live.update(frame(watch), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        watch.close()
