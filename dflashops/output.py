@@ -23,3 +23,17 @@ def err(message: str) -> None:
 def escape(text: str) -> str:
     """Text shown as is, even if it holds [brackets] that rich would read as markup."""
     return rich_escape(text)
+
+
+def duration(seconds: float | None) -> str:
+    """`42s`, `12m05s`, `3h07m`, `2d04h`; `-` for nothing."""
+    if seconds is None:
+        return "-"
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"

@@ -18,7 +18,7 @@ from dflashops.events import EventLog
 from dflashops.lifecycle import Options, health_text, probe_spec
 from dflashops.metrics import Memory, Reading, shown
 from dflashops.orphans import Orphan
-from dflashops.output import escape
+from dflashops.output import duration, escape
 from dflashops.render import Rendered
 from dflashops.run import on_hosts
 
@@ -81,7 +81,7 @@ def run_time(uf: UnitFacts) -> str:
         )
     except ValueError:
         return ""
-    return _duration((ended - began).total_seconds())
+    return duration((ended - began).total_seconds())
 
 
 def failed_units(rendered: list[Rendered], facts: HostFacts) -> list[str]:
@@ -264,7 +264,7 @@ def status_row(
         done, total = p.get("done"), p.get("total")
         progress = f"{done}/{total}" if done is not None and total else ""
         if p.get("eta_s") and p.get("state") == "running" and uf.running:
-            progress += f" eta {_duration(float(p['eta_s']))}"
+            progress += f" eta {duration(float(p['eta_s']))}"
     return {
         "host": r.unit.host.name,
         "unit": r.unit.name,
@@ -288,7 +288,7 @@ def uptime(uf: UnitFacts, facts: HostFacts) -> str:
     started = datetime.strptime(uf.pid.started_at, "%Y-%m-%dT%H:%M:%SZ").replace(
         tzinfo=timezone.utc
     )
-    return _duration(facts.time - started.timestamp())
+    return duration(facts.time - started.timestamp())
 
 
 def orphan_row(host: str, o: Orphan, facts: HostFacts) -> dict[str, Any]:
@@ -304,12 +304,3 @@ def orphan_row(host: str, o: Orphan, facts: HostFacts) -> dict[str, Any]:
         "gpus": " ".join(f"{g}:{facts.gpu_used_mib(g) // 1024}G" for g in o.gpus) or "-",
         "playbook": o.facts.unit.playbook if o.facts.unit else None,
     }
-
-
-def _duration(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"

@@ -32,7 +32,7 @@ from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
 from dflashops.lifecycle import HostRun, Options, probe_spec
 from dflashops.metrics import Memory, Reading, shown
-from dflashops.output import escape
+from dflashops.output import duration, escape
 from dflashops.render import Rendered
 from dflashops.run import on_hosts
 
@@ -159,17 +159,6 @@ def uptime(p: UnitProbe | None, now: float) -> str:
     except ValueError:
         return "-"
     return duration(now - began.timestamp())
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = max(0, int(seconds))
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
 def bar(done: float, total: float, width: int = 20) -> str:
