@@ -2,9 +2,11 @@
 
 One ``HostRun`` per host (hosts run in parallel, see run.py). It holds the host's connection
 and agent and reports every step through the shared EventLog. Round trips: facts (1), then only
-what the changes need: ship (1, or 2 when units restart), stop (1), start (1 per batch), one
-probe per readiness round for all pending units at once. Orphans (units no project playbook
-defines for the host, see orphans.py) are named, block only what they hold, and go with --prune.
+what the changes need: ship (1, or 2 when units restart), stop (1), start (1 per batch), and
+one wait on the host for everything started (polled there, reported as it happens); the facts
+call probes the services too, so a deploy with nothing to do costs that one call. Orphans
+(units no project playbook defines for the host, see orphans.py) are named, block only what
+they hold, and go with --prune.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from dflashops.render import Rendered
 from dflashops.stage import Stage, envs_request, files_request
 from dflashops.supervision import policy, restart_policy
 
+POLL = 0.25  # s between readiness checks on the host (at most: a unit's interval may be less)
+REPORT_EVERY = 2.0  # s between the host's progress reports while it waits
 Board = Callable[[str, str], None]  # host, text: the live progress line (no-op off a terminal)
 
 
@@ -73,7 +77,9 @@ class HostRun:
 
     def __post_init__(self) -> None:
         self.conn = connect(self.host)
-        self.agent = Agent(self.conn, self.host.python)
+        # One agent kept for the run: facts, write, stop, start and wait are requests to it,
+        # not a new interpreter each (round trips stay; processes and their start-up go).
+        self.agent = Agent(self.conn, self.host.python, keep=True)
         self.by_name = {r.unit.name: r for r in self.rendered}
         self.workdir = self.host.workdir  # replaced by the host's absolute path at the first facts
         self.peer_agents: dict[str, Agent] = {}
@@ -107,9 +113,22 @@ class HostRun:
     def unit_dir(self, name: str) -> str:
         return f"{self.workdir}/units/{name}"
 
-    def gather(self) -> HostFacts:
+    def gather(self, probe: bool = False) -> HostFacts:
+        """Facts (with ``probe``: the services' probes too, for a deploy's first verdicts)."""
         facts = self.agent.facts(
-            self.host.workdir, files=files_request(self.node), envs=envs_request(self.node)
+            self.host.workdir,
+            files=files_request(self.node),
+            envs=envs_request(self.node),
+            ports=[r.unit.port for r in self.rendered if r.unit.port is not None],
+            probes=[probe_spec(r) for r in self.rendered if r.unit.kind == "service"]
+            if probe
+            else (),
+            settled=None
+            if self.opts.rerun or not probe
+            else {
+                r.unit.name: {"fingerprint": r.fingerprint, "job": r.unit.kind == "job"}
+                for r in self.rendered
+            },
         )
         self.workdir = facts.workdir
         self.orphans = find(facts, self.known) if self.known is not None else []
@@ -124,24 +143,27 @@ class HostRun:
 
     def close(self) -> None:
         # For --json readers and benchmarks: how many round trips this host cost.
+        self.agent.close()
         self.events.emit(
             self.host.name,
             None,
             "info",
             "stats",
-            f"{self.conn.commands} remote commands",
+            f"{self.agent.round_trips} round trips, {self.conn.commands} remote commands",
             show=False,
             commands=self.conn.commands,
+            round_trips=self.agent.round_trips,
         )
         self.conn.close()
         for agent in self.peer_agents.values():
+            agent.close()
             agent.conn.close()
 
     # -- deploy ----------------------------------------------------------------------------
 
     def deploy(self) -> None:
         """Orphans, environments, files, then services and jobs (DESIGN.md's order)."""
-        facts = self.gather()
+        facts = self.gather(probe=True)
         self._orphans()
         self.stage = stage = Stage(self, self.node, facts)
         stage.environments()
@@ -152,6 +174,10 @@ class HostRun:
         if self.opts.diff:
             self._show_diffs(facts, changes)
         changes = self._node_blocked(changes, stage)
+        if facts.gpus.skipped and any(c.runs_after for c in changes) and not self.opts.check:
+            # The facts call judged nothing would start; something does (files moved under a
+            # running unit): its GPU check needs nvidia-smi after all.
+            facts = facts.model_copy(update={"gpus": self.agent.gpus(self.workdir)})
         if self.opts.check:
             for c in changes:
                 status = "ok" if c.action == "ok" else "changed"
@@ -179,6 +205,7 @@ class HostRun:
         self._wait_ready(
             [c.rendered for c in services if c.name not in self.failed],
             {c.name: c for c in changes},
+            first=facts.probe.units if facts.probe is not None else None,
         )
         self._run_jobs([c for c in changes if c.rendered.unit.kind == "job"], facts)
 
@@ -540,32 +567,58 @@ class HostRun:
 
     # -- readiness and identity ------------------------------------------------------------
 
-    def _wait_ready(self, units: list[Rendered], changes: dict[str, Change]) -> None:
-        """Probe every pending unit in one remote call per round until each is ready and
-        verified, has died (reported at once with its log), or ran out of time."""
+    def _wait_ready(
+        self,
+        units: list[Rendered],
+        changes: dict[str, Change],
+        first: dict[str, UnitProbe] | None = None,
+    ) -> None:
+        """Judge each unit ready and verified, dead (reported at once with its log) or out of
+        time. Units not (re)started in this run are judged on ``first`` (the probe made with
+        the facts) when it has them; the rest are waited for on the host: one ``wait`` call
+        that polls there and reports as units finish (round trips: 1, however long it takes)."""
         pending = {r.unit.name: r for r in units}
         started = time.monotonic()
         deadline = {n: started + ready_settings(r).timeout for n, r in pending.items()}
         last: dict[str, str] = {}
+        for name, r in list(pending.items()):
+            c = changes.get(name)
+            fresh = c is not None and c.runs_after
+            if (
+                first
+                and name in first
+                and not fresh
+                and self._judge(r, first[name], c, False, last)
+            ):
+                del pending[name]
         while pending:
-            probes = self.agent.probe(self.workdir, [probe_spec(r) for r in pending.values()])
-            for name, r in list(pending.items()):
-                verdict = self._judge(
-                    r, probes.get(name), changes.get(name), time.monotonic() > deadline[name], last
-                )
-                if verdict:
-                    del pending[name]
-            if pending:
-                waited = time.monotonic() - started
-                self.board(
-                    self.host.name,
-                    f"{len(units) - len(pending)}/{len(units)} ready, waiting for {', '.join(sorted(pending))} ({waited:.0f}s)",
-                )
-                if self.opts.abort.wait(min(ready_settings(r).interval for r in pending.values())):
-                    raise Interrupted(
+            now = time.monotonic()
+            specs = [(probe_spec(r), max(0.0, deadline[n] - now)) for n, r in pending.items()]
+            poll = min([POLL] + [ready_settings(r).interval for r in pending.values()])
+            reports = self.agent.wait(
+                self.workdir, specs, poll=poll, report_every=REPORT_EVERY, abort=self.opts.abort
+            )
+            for report in reports:
+                for name, p in report.units.items():
+                    if name not in pending:
+                        continue
+                    late = time.monotonic() > deadline[name]
+                    if name not in report.done and not late:
+                        continue  # a progress line: the host's rule says it is not done yet
+                    late = late or name in report.done
+                    if self._judge(pending[name], p, changes.get(name), late, last):
+                        del pending[name]
+                if pending:
+                    self.board(
                         self.host.name,
-                        f"interrupted while waiting for {', '.join(sorted(pending))}",
+                        f"{len(units) - len(pending)}/{len(units)} ready, waiting for "
+                        f"{', '.join(sorted(pending))} ({time.monotonic() - started:.0f}s)",
                     )
+            if self.opts.abort.is_set():
+                raise Interrupted(
+                    self.host.name,
+                    f"interrupted while waiting for {', '.join(sorted(pending))}",
+                )
         self.board(self.host.name, "")
 
     def _judge(

@@ -69,6 +69,7 @@ class GpuFacts(FactsModel):
     error: str | None  # "nvidia-smi not found", its stderr, or a failed compute-apps query
     devices: list[GpuDevice]
     processes: list[GpuProcess]
+    skipped: bool = False  # not gathered: nothing the facts call was told of could start
 
     def device(self, index: int) -> GpuDevice | None:
         return next((d for d in self.devices if d.index == index), None)
@@ -287,6 +288,7 @@ class HostFacts(FactsModel):
     envs: dict[str, EnvState] = Field(default_factory=dict)
     tools: dict[str, str | None] = Field(default_factory=dict)  # uv, hf: where, or None
     notify_sha256: str | None = None  # of WORKDIR/notify.json, the host's webhook
+    probe: ProbeResult | None = None  # the units asked about, probed in the same call
     errors: dict[str, str] = Field(default_factory=dict)  # parts of the payload that failed
     elapsed_s: float | None = None
 
@@ -456,6 +458,14 @@ class ProbeResult(FactsModel):
     elapsed_s: float | None = None
 
 
+class WaitReport(ProbeResult):
+    """One line of a ``wait``: the probes of the units still waited for when it was sent;
+    ``done`` are those whose wait is over (ready, dead or out of time), ``final`` the last."""
+
+    done: list[str] = Field(default_factory=list)
+    final: bool = False
+
+
 # ---------------------------------------------------------------------------------------- tail
 
 
@@ -535,3 +545,6 @@ class BuildResult(FactsModel):
     seconds: float = 0.0
     log: str | None = None
     error: str | None = None
+
+
+HostFacts.model_rebuild()  # its probe field names a model defined below it

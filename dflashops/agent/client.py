@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -20,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from dflashops.agent.answers import (
     BuildResult,
     CopyResult,
+    GpuFacts,
     HostFacts,
     ProbeResult,
     ProbeSpec,
@@ -30,12 +33,21 @@ from dflashops.agent.answers import (
     StopResult,
     TailResult,
     UnitProbe,
+    WaitReport,
     WriteResult,
     summarize,
 )
 from dflashops.agent.bundle import bundle, command
 from dflashops.errors import HostError, TransferError
-from dflashops.hosts.connection import Connection, Input, Result, tail
+from dflashops.hosts.connection import (
+    CommandTimeout,
+    Connection,
+    Input,
+    Result,
+    StreamEnded,
+    chunks,
+    tail,
+)
 
 SCHEMA = 2  # what dflashops_agent.main answers with
 SLACK = 30.0  # on top of an action's own waits: interpreter start, /proc scans, the link
@@ -49,13 +61,23 @@ class AgentError(HostError):
 class Agent:
     """The agent on one host, reached through ``conn`` with the host's ``python``."""
 
-    def __init__(self, conn: Connection, python: str) -> None:
+    def __init__(self, conn: Connection, python: str, *, keep: bool = False) -> None:
         self.conn = conn
         self.python = python
+        # keep: the KEPT actions go to one agent kept running (a session) until close().
+        self.keep = keep
+        self.session: Session | None = None
+        self.round_trips = 0  # requests answered (one per call; a session's are on one command)
 
     @property
     def host(self) -> str:
         return self.conn.host
+
+    def close(self) -> None:
+        """End the kept agent, if any (its interpreter exits when its stdin ends)."""
+        if self.session is not None:
+            self.session.close()
+            self.session = None
 
     # -- the call path ------------------------------------------------------------------------
 
@@ -70,6 +92,9 @@ class Agent:
     ) -> dict[str, Any]:
         """Run one action. ``data`` follows the request on stdin (bytes or chunks made while
         it runs); ``frames`` takes a streamed answer's files (``send``) as they come."""
+        self.round_trips += 1
+        if self.keep and action in KEPT and frames is None:
+            return self.kept().call(action, request, data=data, timeout=timeout)
         line = json.dumps({"action": action, **request}, separators=(",", ":")).encode()
         head = bundle() + line + b"\n"
         stdin: Input = (
@@ -86,6 +111,11 @@ class Agent:
             frames.close()
             result = Result(result.command, result.exit_code, frames.tail, result.stderr)
         return self.answer(action, result)
+
+    def kept(self) -> Session:
+        if self.session is None:
+            self.session = Session(self)
+        return self.session
 
     def answer(self, action: str, result: Result) -> dict[str, Any]:
         """The answer as a dict, checked for exit code, shape, schema and action."""
@@ -170,24 +200,56 @@ class Agent:
         files: Sequence[dict[str, Any]] = (),
         envs: Sequence[dict[str, Any]] = (),
         env_imports: Sequence[dict[str, Any]] = (),
+        ports: Sequence[int] | None = None,
+        probes: Sequence[ProbeSpec] = (),
+        settled: dict[str, dict[str, Any]] | None = None,
         timeout: float = 180.0,
     ) -> HostFacts:
         """Everything about the host in one remote call (files: [{key, dest, expect, src,
-        listing}], envs: [{name, path, hash}], env_imports: [{env, module, python}])."""
-        request = {
+        listing}], envs: [{name, path, hash}], env_imports: [{env, module, python}]).
+        ``ports``: the listeners whose holders matter (None: all); ``probes``: units probed in
+        the same call (``HostFacts.probe``), so that a deploy with nothing to do needs no other;
+        ``settled`` ({unit: {fingerprint, job}}): when all of them run (or finished) as given,
+        nvidia-smi is skipped (``gpus.skipped``; ask ``gpus`` if something starts after all)."""
+        request: dict[str, Any] = {
             "workdir": workdir,
             "imports": list(imports),
             "paths": list(paths),
             "files": list(files),
             "envs": list(envs),
             "env_imports": list(env_imports),
+            "ports": None if ports is None else sorted(set(ports)),
             # Imports and nvidia-smi run in parallel on the host; leave room for the rest.
             "import_timeout": max(1.0, min(120.0, timeout - 20.0)),
             "nvidia_smi_timeout": max(1.0, min(30.0, timeout / 2)),
+            "probe": None,
+            "settled": settled,
         }
+        if probes:
+            request["probe"] = {
+                "units": [p.model_dump() for p in probes],
+                "http_timeout": 5.0,
+                "log_lines": 30,
+            }
         data = self.call("facts", request, timeout=timeout)
         data["host"] = self.host
+        if probes:
+            if not isinstance(data.get("probe"), dict):
+                problem = (data.get("errors") or {}).get("probe", "no probe in the answer")
+                raise AgentError(self.host, f"the facts call did not probe the units: {problem}")
+            data["probe"]["action"] = "facts"
+            self.per_unit(UnitProbe, data["probe"], [p.name for p in probes])
         return self.validate(HostFacts, data, "facts")
+
+    def gpus(self, workdir: str, timeout: float = 30.0) -> GpuFacts:
+        """nvidia-smi alone (after a facts call that skipped it)."""
+        request = {"workdir": workdir, "units": [], "http_timeout": timeout, "gpus": True}
+        found = self.validate(
+            ProbeResult, self.call("probe", request, timeout=timeout + SLACK), "probe"
+        )
+        if found.gpus is None:
+            raise AgentError(self.host, "the probe answered without the GPUs asked for")
+        return found.gpus
 
     def start(self, workdir: str, units: Sequence[tuple[str, int]]) -> dict[str, StartResult]:
         """Start each ``(name, keep_logs)`` unit; returns at once (it never waits for the engine)."""
@@ -251,6 +313,67 @@ class Agent:
         data = self.call("probe", request, timeout=http_timeout + SLACK)
         self.per_unit(UnitProbe, data, [p.name for p in probes])
         return self.validate(ProbeResult, data, "probe")
+
+    def wait(
+        self,
+        workdir: str,
+        units: Sequence[tuple[ProbeSpec, float]],
+        *,
+        poll: float,
+        report_every: float,
+        abort: threading.Event,
+        http_timeout: float = 5.0,
+    ) -> Iterator[WaitReport]:
+        """Wait on the host for each ``(spec, seconds left)`` unit to be ready, dead or out of
+        time: ONE remote command, whose reports come as they happen (a unit done) and every
+        ``report_every`` seconds. Setting ``abort`` ends it within a fraction of a second: the
+        stream is closed and the host side stops when its stdin ends."""
+        request = {
+            "action": "wait",
+            "workdir": workdir,
+            "units": [{**spec.model_dump(), "timeout_s": left} for spec, left in units],
+            "poll": poll,
+            "report_every": report_every,
+            "http_timeout": http_timeout,
+            "log_lines": 30,
+        }
+        line = json.dumps(request, separators=(",", ":")).encode()
+        silence = report_every + 2 * http_timeout + SLACK  # longer without a line: lost
+        self.round_trips += 1
+        kept = self.kept() if self.keep else None
+        stream = kept.stream if kept is not None else self.conn.stream(command(self.python))
+        done = False
+        try:
+            stream.send((line if kept is not None else bundle() + line) + b"\n")
+            heard = time.monotonic()
+            while not abort.is_set():
+                try:
+                    raw = stream.readline(0.2)
+                except CommandTimeout:
+                    if time.monotonic() - heard > silence:
+                        raise AgentError(
+                            self.host, f"the wait sent nothing for {silence:.0f}s: link lost?"
+                        ) from None
+                    continue
+                except StreamEnded:
+                    self.answer("wait", stream.ending())  # raises, saying why
+                    raise AgentError(self.host, "the wait ended without its last report") from None
+                heard = time.monotonic()
+                data = self.answer("wait", Result("agent wait", 0, raw, b""))
+                self.per_unit(UnitProbe, data, [])
+                report = self.validate(WaitReport, data, "wait")
+                done = report.final
+                yield report
+                if done:
+                    return
+        finally:
+            # Interrupted, failed or abandoned: the host side must stop now, so its stream
+            # goes (a kept agent with it: the next call starts another).
+            if kept is None or not done:
+                if kept is not None:
+                    self.close()
+                else:
+                    stream.close()
 
     def tail(
         self,
@@ -407,29 +530,46 @@ class Agent:
         return out
 
 
+KEPT = ("facts", "probe", "tail", "scan", "write", "start", "stop", "wait")  # = agent SERVED
+
+
 class Session:
-    """One agent kept running on a host (``serve``): each call is a request line and an answer
-    line on the same channel, no new interpreter, no bundle sent again. For `top`."""
+    """One agent kept running on a host (``serve``): each call is a request line (and its
+    data) and an answer line on the same channel: no new interpreter, no bundle sent again.
+    A deploy's facts, write, stop, start and wait go this way, and `top`'s refreshes.
+    Anything short of an answer ends it (the agent's state is then unknown)."""
 
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.stream = agent.conn.stream(command(agent.python))
         self.stream.send(bundle() + b'{"action":"serve"}\n')
 
-    def call(self, action: str, request: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def call(
+        self, action: str, request: dict[str, Any], *, data: Input = b"", timeout: float
+    ) -> dict[str, Any]:
         line = json.dumps({"action": action, **request}, separators=(",", ":")).encode()
-        self.stream.send(line + b"\n")
-        got = self.stream.readline(timeout)
+        try:
+            self.stream.send(line + b"\n")
+            for chunk in chunks(data):
+                self.stream.send(chunk)
+            got = self.stream.readline(timeout)
+        except StreamEnded:
+            ending = self.stream.ending()
+            self.agent.close()
+            self.agent.answer(action, ending)  # raises, saying why (python missing, a crash)
+            raise AgentError(self.host, f"the agent session ended during {action}") from None
+        except BaseException:  # a timeout, Ctrl-C: the session's state is unknown
+            self.agent.close()
+            raise
+        if got.startswith(b'{"schema":%d,"action":null' % SCHEMA):  # refused: the session ended
+            self.agent.close()
+            why = json.loads(got).get("error")
+            raise AgentError(self.host, f"the dflashops agent ({action}): {why} (a dflashops bug)")
         return self.agent.answer(action, Result(f"agent session: {action}", 0, got, b""))
 
-    def observe(
-        self, workdir: str, probes: Sequence[ProbeSpec], http_timeout: float = 5.0
-    ) -> ProbeResult:
-        data = self.call(
-            "probe", observe_request(workdir, probes, http_timeout), http_timeout + SLACK
-        )
-        self.agent.per_unit(UnitProbe, data, [p.name for p in probes])
-        return self.agent.validate(ProbeResult, data, "probe")
+    @property
+    def host(self) -> str:
+        return self.agent.host
 
     def close(self) -> None:
         self.stream.close()

@@ -23,7 +23,6 @@ from rich.table import Table
 from rich.text import Text
 
 from dflashops.agent.answers import ProbeResult, UnitProbe
-from dflashops.agent.client import Session
 from dflashops.commands.common import Target, prepare
 from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import Host
@@ -58,7 +57,6 @@ class Watch:
         self.forks = forks
         self.keep = keep
         self.runs: dict[str, HostRun] = {}
-        self.sessions: dict[str, Session] = {}
         self.memory = Memory(persist=False)
         self.views: dict[str, HostView] = {h: HostView() for h in target.hosts}
         self.totals: list[float] = []  # the fleet's tok/s, refresh by refresh
@@ -74,13 +72,9 @@ class Watch:
     def _look(self, host: Host) -> ProbeResult:
         run = self._run(host)
         specs = [probe_spec(r, metrics=True) for r in run.rendered]
+        run.agent.keep = self.keep
         try:
-            if not self.keep:
-                return run.agent.observe(host.workdir, specs)
-            session = self.sessions.get(host.name)
-            if session is None:
-                session = self.sessions[host.name] = Session(run.agent)
-            return session.observe(host.workdir, specs)
+            return run.agent.observe(host.workdir, specs)
         except DflashopsError:
             self.drop(host.name)  # reconnect next time: the host may come back
             raise
@@ -89,11 +83,9 @@ class Watch:
                 self.drop(host.name)
 
     def drop(self, name: str) -> None:
-        session = self.sessions.pop(name, None)
-        if session is not None:
-            session.close()
         run = self.runs.pop(name, None)
         if run is not None:
+            run.agent.close()
             run.conn.close()
 
     def refresh(self) -> None:

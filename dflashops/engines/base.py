@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -105,6 +106,7 @@ def resolve_file(ref: str, base: Path) -> Path:
     return Path(os.path.normpath(path if path.is_absolute() else base / path))
 
 
+@functools.cache  # read once per run: pre-flight asks for every unit
 def known_flags(engine: str) -> frozenset[str]:
     data = Path(__file__).resolve().parent.parent / "data" / f"{engine}-flags.txt"
     return frozenset(line.strip() for line in data.read_text().splitlines() if line.strip())

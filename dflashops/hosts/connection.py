@@ -85,6 +85,11 @@ class Stream(Protocol):
 
     def readline(self, timeout: float) -> bytes: ...
 
+    def ending(self) -> Result:
+        """Once ``readline`` raised StreamEnded: the command's exit status, what it printed
+        after its last line, and its stderr (for the error that says why it ended)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
+import tempfile
 import threading
 from typing import IO
 
@@ -75,20 +76,23 @@ class LocalConnection(BaseConnection):
 
     def stream(self, command: Command) -> LocalStream:
         self.commands += 1
+        # A file, not a pipe: nothing to drain while it runs; LocalStream.close closes it.
+        err = tempfile.TemporaryFile()  # noqa: SIM115
         proc = subprocess.Popen(
             ["bash", "-c", as_shell(command)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=err,
             start_new_session=True,
         )
-        return LocalStream(self.host, proc)
+        return LocalStream(self.host, proc, err)
 
 
 class LocalStream:
-    def __init__(self, host: str, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(self, host: str, proc: subprocess.Popen[bytes], err: IO[bytes]) -> None:
         self.host = host
         self.proc = proc
+        self.err = err
         self.buffer = b""
 
     def send(self, data: bytes) -> None:
@@ -120,6 +124,14 @@ class LocalStream:
         line, _, self.buffer = self.buffer.partition(b"\n")
         return line + b"\n"
 
+    def ending(self) -> Result:
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            code = -1
+        self.err.seek(0)
+        return Result("agent stream", code, self.buffer, self.err.read()[-65536:])
+
     def close(self) -> None:
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
@@ -129,6 +141,7 @@ class LocalStream:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.err.close()
 
 
 def _feed(pipe: IO[bytes], data: Input) -> None:

@@ -45,6 +45,9 @@ CONNECT_TIMEOUT = 15.0
 KEEPALIVE = 30
 
 
+SEND_PIECE = 1 << 18
+
+
 class SshStream:
     """A command kept running on one channel of the host's connection."""
 
@@ -54,8 +57,12 @@ class SshStream:
         self.buffer = b""
 
     def send(self, data: bytes) -> None:
+        # paramiko's sendall re-slices what is left after every packet: quadratic in the size
+        # (48 MiB took 25 s). Bounded pieces keep each copy small.
+        view = memoryview(data)
         try:
-            self.channel.sendall(data)
+            for start in range(0, len(view), SEND_PIECE):
+                self.channel.sendall(bytes(view[start : start + SEND_PIECE]))
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise StreamEnded(self.host, f"the kept command's channel is gone: {exc}") from None
 
@@ -73,6 +80,16 @@ class SshStream:
             select.select([self.channel], [], [], min(left, 0.5))
         line, _, self.buffer = self.buffer.partition(b"\n")
         return line + b"\n"
+
+    def ending(self) -> Result:
+        code = -1
+        if self.channel.exit_status_ready():
+            code = self.channel.recv_exit_status()
+        err = b""
+        with contextlib.suppress(Exception):
+            while self.channel.recv_stderr_ready():
+                err += self.channel.recv_stderr(1 << 16)
+        return Result("agent stream", code, self.buffer, err)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -105,6 +122,17 @@ def _prepare_keys(conn: FabricConnection, host: Host, pinned: str | None) -> lis
 # second over loopback here (385 against 196 MB/s); hosts without it still negotiate CTR.
 _DEFAULT_CIPHERS: tuple[str, ...] = getattr(paramiko.Transport, "_preferred_ciphers", ())
 GCM_FIRST = tuple(sorted(_DEFAULT_CIPHERS, key=lambda c: "gcm" not in c))  # stable: order kept
+
+
+def no_delay(transport: paramiko.Transport) -> None:
+    """TCP_NODELAY on the connection's socket. Paramiko leaves Nagle on, and a command's small
+    writes (exec request, stdin, EOF) then wait for the server's delayed ACK: 40 ms added to
+    every command on Linux (measured: `true` 47.6 ms -> 5.1 ms; bench/bench_vs_fabric.py).
+    Through a ProxyJump the "socket" is a channel: nothing to set."""
+    sock = getattr(transport, "sock", None)
+    if isinstance(sock, socket.socket):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def transport_factory(*args: Any, **kwargs: Any) -> paramiko.Transport:
@@ -192,6 +220,7 @@ class SshConnection(BaseConnection):
         transport = self.fabric.client.get_transport()
         if transport is not None:
             transport.set_keepalive(KEEPALIVE)
+            no_delay(transport)
 
     def run(
         self,

@@ -130,10 +130,11 @@ def test_a_node_from_nothing_in_one_deploy_then_a_no_op(
     assert again.code == 0, again.explain()
     assert {e["status"] for e in again.events if e["status"] not in ("info",)} == {"ok"}
     assert all(not e["data"].get("bytes") for e in entry_events(again))
-    # The no-op costs what a no-op deploy without files costs: facts and one probe.
-    assert ssh_sessions(host) - before == 2
+    # The no-op costs what a no-op deploy without files costs: one command (facts carrying the
+    # entries' state and the probe).
+    assert ssh_sessions(host) - before == 1
     stats = [e for e in again.events if e["action"] == "stats"]
-    assert stats[0]["data"]["commands"] == 2
+    assert stats[0]["data"]["commands"] == 1
 
 
 def test_changed_model_content_restarts_its_server_and_a_changed_prompts_file_does_not(
@@ -291,15 +292,27 @@ def test_a_dropped_connection_mid_file_resumes_and_sends_less_the_next_time(
 
 
 def corrupting_python(host: FleetHost) -> str:
-    """A host python that flips the last byte of a large stdin (a transfer), as a corrupted
-    link would; small requests (facts) pass untouched."""
-    wrapper = host.bin_dir / "python-corrupting"
-    wrapper.write_text(
-        "#!/bin/sh\n"
-        "exec /usr/bin/python3 -c 'import sys; d = sys.stdin.buffer.read(); "
-        "d = d[:-1] + bytes([d[-1] ^ 1]) if len(d) > 1000000 else d; "
-        'sys.stdout.buffer.write(d)\' | /usr/bin/python3 "$@"\n'
+    """A host python whose stdin flips one byte 1.5 MB in (inside a 2 MiB transfer), as a
+    corrupted link would. It streams (a kept session's stdin never ends) and small requests
+    (facts) pass untouched."""
+    relay = host.bin_dir / "corrupt-stdin.py"
+    relay.write_text(
+        "import os, sys\n"
+        "AT = 1_500_000\n"
+        "seen = 0\n"
+        "while True:\n"
+        "    chunk = os.read(0, 1 << 16)\n"
+        "    if not chunk:\n"
+        "        break\n"
+        "    if seen <= AT < seen + len(chunk):\n"
+        "        i = AT - seen\n"
+        "        chunk = chunk[:i] + bytes([chunk[i] ^ 1]) + chunk[i + 1 :]\n"
+        "    seen += len(chunk)\n"
+        "    sys.stdout.buffer.write(chunk)\n"
+        "    sys.stdout.buffer.flush()\n"
     )
+    wrapper = host.bin_dir / "python-corrupting"
+    wrapper.write_text(f'#!/bin/sh\nexec /usr/bin/python3 -u {relay} | /usr/bin/python3 "$@"\n')
     wrapper.chmod(0o755)
     return str(wrapper)
 

@@ -345,7 +345,9 @@ def test_the_generator_runs_across_a_servers_crash_and_restart_with_every_prompt
     prompts.write_text(
         "".join(json.dumps({"id": i, "prompt": f"question {i}"}) + "\n" for i in ids)
     )
-    env = {"DFLASHOPS_STUB_LATENCY": "0.03", "DFLASHOPS_STUB_STARTUP_SECONDS": "0.5"}
+    # 400 prompts x 0.08 s over 8 in flight: ~4 s of work, so the crash at 1.5 s lands mid-run
+    # however fast deploy hands over to the job.
+    env = {"DFLASHOPS_STUB_LATENCY": "0.08", "DFLASHOPS_STUB_STARTUP_SECONDS": "0.5"}
     ctl.playbook(
         "p",
         {

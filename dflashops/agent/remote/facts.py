@@ -1,14 +1,18 @@
 """``facts``: everything dflashops needs to know about a host, in one round trip.
 
 Request: ``workdir``, ``imports`` (modules to try importing with this python), ``paths``
-(checked for existence), ``import_timeout`` (s, 120), ``nvidia_smi_timeout`` (s, 30).
+(checked for existence), ``import_timeout`` (s, 120), ``nvidia_smi_timeout`` (s, 30),
+``files``/``envs``/``env_imports`` (node state, see file_states and env_states), ``ports`` (the
+listeners to report, with their holders; null: all), ``probe`` (a probe request for units,
+answered as ``probe``: one call for a deploy that has nothing to do), ``settled`` ({unit:
+{fingerprint, job}}: when all run or finished as given, nvidia-smi is skipped, gpus.skipped).
 
 Answer: hostname, time, python, python_executable, boot_id, clock_ticks, uptime_s, workdir,
 workdir_exists, disk, gpus (see gpu.gather), listening [{address, port, inode, pids}], payloads
 {"<hash16>/<name>": sha256}, units {name: {name, script_sha256, unit, pid, exit, stopped,
 progress (each with a ``*_error`` when its file is broken), process (ownership.view),
 group_pids, unproven_pids, logs}}, imports {module: {ok, version, error, seconds}}, paths
-{path: {exists, is_dir}}, errors {part: message}, elapsed_s. Each part reports its own failure;
+{path: {exists, is_dir}}, probe {units, time}, errors {part: message}, elapsed_s. Each part reports its own failure;
 one odd unit never hides the others. ``secrets.env`` files are never opened.
 """
 
@@ -19,20 +23,26 @@ import os
 import socket
 import sys
 import time
-from typing import Any, Callable
 
-from . import build, gpu, logs, ownership, procfs, tree
+from . import gpu, logs, ownership, probe, procfs, tree
 from .common import (
     TMP_MARK,
     BadRequest,
     Json,
     describe,
     first_line,
+    is_int,
     number,
     read_json_object,
     sha256_file,
     which,
 )
+
+TYPE_CHECKING = False  # see common.py
+if TYPE_CHECKING:
+    from typing import Any, Callable
+
+    Records = dict[str, tuple[Any, Any]]  # unit -> (ownership record or None, problem)
 
 PROGRESS_MAX = 64 * 1024
 HASH_BUDGET = 1 << 30  # bytes facts may hash per call (a hand-edited tree): past it, "unknown"
@@ -65,6 +75,23 @@ def check(request: Json) -> None:
             raise BadRequest(f"{key} must be a list of objects")
     for key, default in (("import_timeout", 120), ("nvidia_smi_timeout", 30)):
         request[key] = number(request.get(key, default), key, 0.1)
+    settled = request.setdefault("settled", None)
+    if settled is not None and (
+        not isinstance(settled, dict)
+        or not all(
+            isinstance(v, dict) and isinstance(v.get("fingerprint"), str) for v in settled.values()
+        )
+    ):
+        raise BadRequest("settled must map unit names to {fingerprint, job} (or be null)")
+    ports = request.setdefault("ports", None)
+    if ports is not None and (
+        not isinstance(ports, list) or not all(is_int(x) and x > 0 for x in ports)
+    ):
+        raise BadRequest("ports must be a list of port numbers (or null: every listener)")
+    if request.setdefault("probe", None) is not None:
+        if not isinstance(request["probe"], dict):
+            raise BadRequest("probe must be an object (a probe request without workdir)")
+        probe.check(request["probe"])
 
 
 def section(errors: Json, name: str, default: Any, fn: Callable[[], Any]) -> Any:
@@ -163,13 +190,14 @@ def read_unit(name: str, unit_dir: str) -> Json:
     return unit
 
 
-def read_units(workdir: str, boot: str | None, errors: Json) -> dict[str, Json]:
+def read_units(workdir: str, errors: Json) -> tuple[dict[str, Json], Records]:
+    """Every unit folder's files and pid record (processes come from the one /proc pass)."""
     try:
         entries = sorted(os.scandir(os.path.join(workdir, "units")), key=lambda e: e.name)
     except FileNotFoundError:
-        return {}
+        return {}, {}
     units: dict[str, Json] = {}
-    records: dict[str, tuple[Any, Any]] = {}
+    records: Records = {}
     for entry in entries:
         if entry.name.startswith(".") or not entry.is_dir():
             continue  # .pruned/ and the like
@@ -178,13 +206,47 @@ def read_units(workdir: str, boot: str | None, errors: Json) -> dict[str, Json]:
             records[entry.name] = ownership.load_record(entry.path)
         except Exception as exc:  # one odd unit must not hide the others
             errors[f"units/{entry.name}"] = describe(exc)
-    groups = ownership.group_scan([r for r, _ in records.values() if r is not None])
+    return units, records
+
+
+def all_settled(settled: Json, units: dict[str, Json], records: Records, boot: str | None) -> bool:
+    """Whether nothing the controller asks about can start: each unit runs as ours (its leader
+    alive, not in a restart backoff) with the fingerprint given, or is a job that finished with
+    exit 0. Then nvidia-smi (slow on a busy node, and only needed to start on free GPUs) is not
+    run; the controller asks again in the rare case it still starts something."""
+    for name, want in settled.items():
+        unit = units.get(name)
+        if unit is None or (unit.get("unit") or {}).get("fingerprint") != want["fingerprint"]:
+            return False
+        rec = records.get(name, (None, None))[0]
+        alive = rec is not None and ownership.leader_state(rec, boot) == "alive"
+        if want.get("job") and not alive:
+            if unit.get("stopped") is None and (unit.get("exit") or {}).get("code") == 0:
+                continue
+            return False
+        if not alive or (unit.get("supervisor") or {}).get("state") in ("backoff", "waiting-gpu"):
+            return False
+    return True
+
+
+def recorded_ports(units: dict[str, Json]) -> set[int]:
+    out: set[int] = set()
+    for unit in units.values():
+        port: Any = (unit.get("unit") or {}).get("port")
+        if is_int(port):
+            out.add(port)
+    return out
+
+
+def attach_processes(
+    units: dict[str, Json], records: Records, boot: str | None, groups: ownership.Groups
+) -> bool:
     for name, (rec, problem) in records.items():
         view = ownership.view(rec, problem, boot, groups)
         units[name]["group_pids"] = view.pop("members")
         units[name]["unproven_pids"] = view.pop("unproven")
         units[name]["process"] = view
-    return units
+    return True
 
 
 # ------------------------------------------------------------------------- payloads, disk, paths
@@ -233,6 +295,10 @@ def file_states(workdir: str, entries: list[Json]) -> dict[str, Json]:
 
 
 def env_states(envs: list[Json]) -> dict[str, Json]:
+    if not envs:
+        return {}
+    from . import build  # only when environments are declared: it is the heaviest import
+
     return {str(e["name"]): build.state(str(e["path"]), str(e["hash"])) for e in envs}
 
 
@@ -271,13 +337,21 @@ def run(request: Json) -> Json:
             errors, "imports", {}, lambda: gather_imports(imports, import_timeout)
         )
 
-    threads = [threading.Thread(target=gpus_job, daemon=True)]
+    boot = procfs.boot_id()
+    units, records = section(errors, "units", ({}, {}), lambda: read_units(workdir, errors))
+    settled = request["settled"]
+    threads = []
+    if settled is not None and section(
+        errors, "settled", False, lambda: all_settled(settled, units, records, boot)
+    ):
+        slow["gpus"] = gpu.skipped()
+    else:
+        threads.append(threading.Thread(target=gpus_job, daemon=True))
     if imports:
         threads.append(threading.Thread(target=imports_job, daemon=True))
     for t in threads:
         t.start()
 
-    boot = procfs.boot_id()
     uptime = first_line("/proc/uptime")
     facts: Json = {
         "hostname": socket.gethostname(),
@@ -291,13 +365,39 @@ def run(request: Json) -> Json:
         "workdir_exists": os.path.isdir(workdir),
     }
     facts["disk"] = section(errors, "disk", None, lambda: tree.free_bytes(workdir))
-    facts["units"] = section(errors, "units", {}, lambda: read_units(workdir, boot, errors))
     listening = section(errors, "listening", [], procfs.listeners)
-    inodes = {entry["inode"] for entry in listening if entry["inode"]}
-    _, holders = section(errors, "proc", ({}, {}), lambda: procfs.scan(set(), inodes))
+    # Whose sockets these are costs a readlink per open fd of every process: only for the ports
+    # asked about (what the plan will use) and those the units' records name (orphans).
+    wanted = None if request["ports"] is None else set(request["ports"]) | recorded_ports(units)
+    inodes = {
+        e["inode"] for e in listening if e["inode"] and (wanted is None or e["port"] in wanted)
+    }
+    pgids = {rec.pgid for rec, _ in records.values() if rec is not None}
+    # One pass over /proc answers both: the units' process groups and the ports' holders.
+    groups, holders = section(
+        errors, "proc", ({g: [] for g in pgids}, {}), lambda: procfs.scan(pgids, inodes)
+    )
+    attached = section(
+        errors, "units", False, lambda: attach_processes(units, records, boot, groups)
+    )
+    facts["units"] = units if attached else {}
+    if request["probe"] is not None:  # the units' health too: a no-op deploy needs nothing else
+        spec = request["probe"]
+        facts["probe"] = section(
+            errors,
+            "probe",
+            None,
+            lambda: {
+                "units": probe.probe_units(
+                    workdir, spec["units"], spec["http_timeout"], spec["log_lines"], groups
+                ),
+                "time": time.time(),
+            },
+        )
     for entry in listening:
         entry["pids"] = sorted(holders.get(entry["inode"], []))
-    facts["listening"] = listening
+    # Asked about some ports: only their listeners (a GPU node may listen on hundreds).
+    facts["listening"] = [e for e in listening if wanted is None or e["port"] in wanted]
     facts["payloads"] = section(errors, "payloads", {}, lambda: read_payloads(workdir))
     facts["paths"] = section(errors, "paths", {}, lambda: path_checks(request["paths"]))
     facts["files"] = section(errors, "files", {}, lambda: file_states(workdir, request["files"]))

@@ -4,9 +4,12 @@ until given processes no longer hold GPU memory (after a stop, before a restart)
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from .common import Json, describe, which
+
+TYPE_CHECKING = False  # see common.py
+if TYPE_CHECKING:
+    from typing import Any
 
 NA_VALUES = ("", "[n/a]", "n/a", "[not supported]", "not supported", "[unknown error]")
 DEVICE_QUERY = "--query-gpu=index,uuid,name,memory.used,memory.total,utilization.gpu"
@@ -56,6 +59,11 @@ def rows(exe: str, query: str, timeout: float) -> list[list[str]]:
 
 def empty(error: str | None) -> Json:
     return {"available": False, "error": error, "devices": [], "processes": []}
+
+
+def skipped() -> Json:
+    """nvidia-smi was not run: nothing asked about could start (see facts.all_settled)."""
+    return {**empty("not gathered: nothing here is to start"), "skipped": True}
 
 
 def gather(timeout: float, exe: str | None = None) -> Json:

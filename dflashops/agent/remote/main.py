@@ -8,9 +8,11 @@ exits 2 with the reason on stderr only for a malformed request.
 ``python BUNDLE supervise UNIT_DIR`` runs a unit's supervisor instead.
 
 A first line ``{"action": "serve"}`` keeps the agent: each following line is a request
-(read-only actions: facts, probe, tail, scan) answered by one line, until stdin ends. `top`
-refreshes over one such session per host: no new channel, no new interpreter per refresh.
-A malformed request then gets an ``{"error": ...}`` line instead of exit 2.
+(``SERVED``: those whose data, if any, is sized by the request) answered by one line (``wait``:
+its lines), until stdin ends. A deploy sends a host's facts, write, stop, start and wait over
+one such session, and `top` its refreshes: one interpreter and one channel, not one per call.
+A malformed request then gets an ``{"error": ...}`` line and ends the session (exit 2): what
+follows it on stdin cannot be told from the next request.
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
 
 from .common import BadRequest, Json
 
+TYPE_CHECKING = False  # see common.py
+if TYPE_CHECKING:
+    from typing import Any
+
 SCHEMA = 2
-SERVED = ("facts", "probe", "tail", "scan")
+SERVED = ("facts", "probe", "tail", "scan", "write", "start", "stop", "wait")
 ACTIONS = (
     "facts",
     "start",
@@ -36,6 +41,7 @@ ACTIONS = (
     "send",
     "copy",
     "build",
+    "wait",
 )
 
 
@@ -70,7 +76,7 @@ def handle(request: Json, stdin: Any) -> Json:
     module.check(request)
     answer: Json = {"schema": SCHEMA, "action": action}
     # Actions whose data follows the request on stdin take it as a second argument.
-    takes_data = action in ("write", "receive")
+    takes_data = action in ("write", "receive", "wait")
     answer.update(module.run(request, stdin) if takes_data else module.run(request))
     return answer
 
@@ -106,7 +112,12 @@ def serve(stdin: Any) -> int:
             request = parse(line)
             if request["action"] not in SERVED:
                 raise BadRequest(f"{request['action']} is not served in a session")
-            reply(handle(request, stdin))
+            answer = handle(request, stdin)
+            reply(answer)
+            if answer.get("interrupted"):
+                return 1  # a signal asked the agent to end
         except BadRequest as exc:
             reply({"schema": SCHEMA, "action": None, "error": f"bad request: {exc}"})
+            sys.stderr.write(f"dflashops agent: bad request: {exc}\n")
+            return 2
     return 0

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any
 
 from .common import Json, describe, is_int, read_json_object
 from .procfs import DEAD, PGRP, START_TIME, STATE, cmdline, has_env, proc_stat, scan
+
+TYPE_CHECKING = False  # see common.py
+if TYPE_CHECKING:
+    from typing import Any
 
 Groups = dict[int, list[tuple[int, int, int]]]
 

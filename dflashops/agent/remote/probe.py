@@ -28,6 +28,10 @@ from .common import (
     unit_list,
 )
 
+TYPE_CHECKING = False  # see common.py
+if TYPE_CHECKING:
+    from typing import Any
+
 BODY_MAX = 256 * 1024  # identity answers
 RECORDS = (
     ("exit", "exit"),
@@ -112,11 +116,13 @@ def probe_http(spec: Json, timeout: float, slot: Json) -> None:
     slot["identity"] = identity
 
 
-def unit_files(folder: str, boot: str | None, log_lines: int) -> Json:
+def unit_files(
+    folder: str, record: tuple[Any, Any], boot: str | None, groups: ownership.Groups, log_lines: int
+) -> Json:
     """Process (the ownership rule), exit/stopped records, banner, and unless the unit runs,
     the end of its log."""
-    rec, problem = ownership.load_record(folder)
-    view = ownership.view(rec, problem, boot, ownership.group_scan([rec] if rec else []))
+    rec, problem = record
+    view = ownership.view(rec, problem, boot, groups)
     out: Json = {
         "alive": view["alive"],
         "ours": view["ours"],
@@ -160,8 +166,34 @@ def run(request: Json) -> Json:
 
     started = time.monotonic()
     timeout = float(request["http_timeout"])
+    gpus: Json = {}
+    gpus_thread = None
+    if request.get("gpus"):  # nvidia-smi is slow: it runs while the units are probed
+        gpus_thread = threading.Thread(
+            target=lambda: gpus.update(found=gpu.gather(max(1.0, timeout))), daemon=True
+        )
+        gpus_thread.start()
+    units = probe_units(request["workdir"], request["units"], timeout, request["log_lines"])
+    if gpus_thread is not None:
+        gpus_thread.join()
+    out: Json = {"units": units, "time": time.time(), "gpus": gpus.get("found")}
+    out["elapsed_s"] = round(time.monotonic() - started, 3)
+    return out
+
+
+def probe_units(
+    workdir: str,
+    specs: list[Json],
+    timeout: float,
+    log_lines: int,
+    groups: ownership.Groups | None = None,
+) -> Json:
+    """{name: probe} for checked ``specs``; ``groups`` from a /proc pass the caller made (facts)
+    saves another. Every unit's HTTP runs at once: about one ``timeout`` however many hang."""
+    import threading
+
+    started = time.monotonic()
     boot = procfs.boot_id()
-    specs = request["units"]
     slots: dict[str, Json] = {s["name"]: {} for s in specs}
 
     def one(spec: Json) -> None:
@@ -170,21 +202,23 @@ def run(request: Json) -> Json:
         except Exception as exc:
             slots[spec["name"]].setdefault("health", {"status": None, "error": describe(exc)})
 
-    gpus: Json = {}
-    gpus_thread = None
-    if request.get("gpus"):  # nvidia-smi is slow: it runs while the units are probed
-        gpus_thread = threading.Thread(
-            target=lambda: gpus.update(found=gpu.gather(max(1.0, timeout))), daemon=True
-        )
-        gpus_thread.start()
     threads = [threading.Thread(target=one, args=(s,), daemon=True) for s in specs if wants_http(s)]
     for t in threads:
         t.start()
     units: Json = {}
+    folders = {s["name"]: unit_dir(workdir, s["name"]) for s in specs}
+    records: dict[str, tuple[Any, Any]] = {}
+    for name, folder in folders.items():
+        try:
+            records[name] = ownership.load_record(folder)
+        except Exception as exc:
+            records[name] = (None, describe(exc))
+    if groups is None:
+        groups = ownership.group_scan([r for r, _ in records.values() if r is not None])
     for spec in specs:
         try:
             units[spec["name"]] = unit_files(
-                unit_dir(request["workdir"], spec["name"]), boot, request["log_lines"]
+                folders[spec["name"]], records[spec["name"]], boot, groups, log_lines
             )
         except Exception as exc:
             units[spec["name"]] = {"alive": False, "ours": False, "pid": None, "exit": None}
@@ -207,8 +241,4 @@ def run(request: Json) -> Json:
                 "body": None,
                 "error": "timed out",
             }
-    if gpus_thread is not None:
-        gpus_thread.join()
-    out: Json = {"units": units, "time": time.time(), "gpus": gpus.get("found")}
-    out["elapsed_s"] = round(time.monotonic() - started, 3)
-    return out
+    return units

@@ -20,10 +20,11 @@ def proc_stat(pid: int) -> list[str] | None:
             raw = f.read()
     except OSError:
         return None
-    fields = raw[raw.rfind(b")") + 2 :].split()
+    # Only the fields up to the start time are ever read: a scan of /proc does this per process.
+    fields = raw[raw.rfind(b")") + 2 :].split(None, START_TIME + 1)
     if len(fields) <= START_TIME:
         return None
-    return [x.decode("ascii", "replace") for x in fields]
+    return [x.decode("ascii", "replace") for x in fields[: START_TIME + 1]]
 
 
 def boot_id() -> str | None:
@@ -54,33 +55,37 @@ def scan(
 ) -> tuple[dict[int, list[tuple[int, int, int]]], dict[int, list[int]]]:
     """One pass over /proc: pgid -> [(pid, sid, start_time)] of live members of the groups
     asked for, and socket inode -> pids holding it. Either half is skipped when not asked for;
-    processes we cannot read (or this one) are skipped."""
+    processes we cannot read (or this one) are skipped. File descriptors (the dear part: one
+    readlink per fd) are read first in the groups' members, where a unit's sockets are, and
+    in the other processes only while some socket's holder is still unknown."""
     groups: dict[int, list[tuple[int, int, int]]] = {g: [] for g in pgids}
     holders: dict[int, list[int]] = {}
     if not pgids and not inodes:
         return groups, holders
     me = os.getpid()
     try:
-        names = os.listdir("/proc")
+        pids = [int(n) for n in os.listdir("/proc") if n.isdigit() and int(n) != me]
     except OSError:
         return groups, holders
-    for name in names:
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        if pid == me:
-            continue
-        if pgids:
+    if pgids:
+        for pid in pids:
             stat = proc_stat(pid)
             if stat is not None and stat[STATE] not in DEAD and int(stat[PGRP]) in groups:
                 groups[int(stat[PGRP])].append((pid, int(stat[SESSION]), int(stat[START_TIME])))
-        if inodes:
-            _socket_holders(name, pid, inodes, holders)
+    if inodes:
+        members = [m[0] for group in groups.values() for m in group]
+        for pid in members:
+            _socket_holders(pid, inodes, holders)
+        if len(holders) < len(inodes):
+            seen = set(members)
+            for pid in pids:
+                if pid not in seen:
+                    _socket_holders(pid, inodes, holders)
     return groups, holders
 
 
-def _socket_holders(name: str, pid: int, inodes: set[int], holders: dict[int, list[int]]) -> None:
-    fd_dir = f"/proc/{name}/fd/"
+def _socket_holders(pid: int, inodes: set[int], holders: dict[int, list[int]]) -> None:
+    fd_dir = f"/proc/{pid}/fd/"
     try:
         fds = os.listdir(fd_dir)
     except OSError:
@@ -107,7 +112,58 @@ def decode_address(hex_addr: str) -> str:
 
 
 def listeners() -> list[Json]:
-    """Listening TCP sockets: [{address, port, inode, pids: []}] (pids filled in by the caller)."""
+    """Listening TCP sockets: [{address, port, inode, pids: []}] (pids filled in by the caller),
+    asked of the kernel over netlink (sock_diag: only listeners, however many connections the
+    host has), else read from /proc/net/tcp{,6} (every socket, each formatted as text)."""
+    try:
+        out = _diag_listeners()
+    except (OSError, ValueError, struct.error):
+        out = _proc_listeners()
+    out.sort(key=lambda x: (x["port"], x["address"]))
+    return out
+
+
+def _diag_listeners() -> list[Json]:
+    """sock_diag(7): one dump per address family, filtered to TCP_LISTEN in the kernel."""
+    netlink_sock_diag, sock_diag_by_family, done, error = 4, 20, 3, 2
+    flags = 0x1 | 0x300  # NLM_F_REQUEST | NLM_F_DUMP
+    out: list[Json] = []
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, netlink_sock_diag) as sock:
+        sock.settimeout(5.0)
+        for seq, family in enumerate((socket.AF_INET, socket.AF_INET6), 1):
+            # inet_diag_req_v2: family, protocol, ext, pad, states (1 << TCP_LISTEN), sockid
+            req = struct.pack("=BBBBI48x", family, socket.IPPROTO_TCP, 0, 0, 1 << 10)
+            sock.send(
+                struct.pack("=IHHII", 16 + len(req), sock_diag_by_family, flags, seq, 0) + req
+            )
+            finished = False
+            while not finished:
+                data = sock.recv(1 << 16)
+                if not data:
+                    raise ValueError("netlink closed")
+                at = 0
+                while at + 16 <= len(data):
+                    length, kind = struct.unpack_from("=IH", data, at)
+                    if length < 16:
+                        raise ValueError("bad netlink message")
+                    if kind == done:
+                        finished = True
+                        break
+                    if kind == error:
+                        raise ValueError("sock_diag refused the dump")
+                    # inet_diag_msg: family, state, timer, retrans, sockid(sport, dport, src, ...),
+                    # expires, rqueue, wqueue, uid, inode
+                    body = at + 16
+                    port = struct.unpack_from("!H", data, body + 4)[0]
+                    raw = data[body + 8 : body + 8 + (4 if family == socket.AF_INET else 16)]
+                    inode = struct.unpack_from("=I", data, body + 68)[0]
+                    address = socket.inet_ntop(family, raw)
+                    out.append({"address": address, "port": port, "inode": inode, "pids": []})
+                    at += (length + 3) & ~3
+    return out
+
+
+def _proc_listeners() -> list[Json]:
     out: list[Json] = []
     seen = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
@@ -133,5 +189,4 @@ def listeners() -> list[Json]:
                     "pids": [],
                 }
             )
-    out.sort(key=lambda x: (x["port"], x["address"]))
     return out

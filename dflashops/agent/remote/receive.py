@@ -18,10 +18,13 @@ import hashlib
 import os
 import signal
 import time
-from typing import Any, BinaryIO
 
 from . import tree
 from .common import BadRequest, Json, describe, host_path, integer, remove
+
+TYPE_CHECKING = False  # see common.py
+if TYPE_CHECKING:
+    from typing import Any, BinaryIO
 
 CHUNK = 1 << 20
 

@@ -33,10 +33,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
 
 from . import gpu, logs, procfs, web
 from .common import Json, describe, now_iso, read_json_object, write_json_atomic
+
+TYPE_CHECKING = False  # see common.py
+if TYPE_CHECKING:
+    from typing import Any
 
 STOP_MARK = "stop-requested"
 HISTORY = 20

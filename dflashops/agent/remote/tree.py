@@ -15,13 +15,17 @@ import hashlib
 import json
 import os
 import stat
-from typing import Any
 
 from .common import TMP_MARK, BadRequest, Json, write_atomic
 
+TYPE_CHECKING = False  # see common.py
+if TYPE_CHECKING:
+    from typing import Any
+
+    Entry = list[Any]  # [size, mtime_ns, inode, sha256 or None]
+
 PART_MARK = ".dflashops-part."  # .<name>.dflashops-part.<sha16>: a transfer to be resumed
 CHUNK = 1 << 20
-Entry = list[Any]  # [size, mtime_ns, inode, sha256 or None]
 
 
 def digest(files: dict[str, tuple[int, str | None]]) -> str | None:

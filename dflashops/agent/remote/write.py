@@ -15,9 +15,12 @@ import hashlib
 import os
 import signal
 import tempfile
-from typing import Any, BinaryIO
 
 from .common import TMP_MARK, BadRequest, Json, integer
+
+TYPE_CHECKING = False  # see common.py
+if TYPE_CHECKING:
+    from typing import Any, BinaryIO
 
 CHUNK = 1 << 20
 
@@ -39,7 +42,26 @@ def check(request: Json) -> None:
             raise BadRequest(f"files[{i}].sha256 must be a sha256 in hex")
 
 
-def receive(entry: Json, src: BinaryIO, tmps: list[str]) -> str:
+class Counted:
+    """stdin, counting what was read (to skip the rest of a failed write's data)."""
+
+    def __init__(self, src: BinaryIO) -> None:
+        self.src = src
+        self.read_bytes = 0
+        self.ended = False
+
+    def read(self, n: int) -> bytes:
+        data = self.src.read(n)
+        self.read_bytes += len(data)
+        self.ended = self.ended or not data
+        return data
+
+    def drain(self, total: int) -> None:
+        while not self.ended and self.read_bytes < total:
+            self.read(min(CHUNK, total - self.read_bytes))
+
+
+def receive(entry: Json, src: Counted, tmps: list[str]) -> str:
     path = entry["path"]
     folder = os.path.dirname(path)
     try:
@@ -90,20 +112,28 @@ def run(request: Json, stdin: BinaryIO) -> Json:
             interrupted.append(signum)
             raise Failed(f"interrupted by signal {signum}")
 
+    before = {}
     for signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
+        before[signum] = signal.signal(signum, on_signal)
     files = request["files"]
     tmps: list[str] = []
+    source = Counted(stdin)
     try:
-        received = [receive(entry, stdin, tmps) for entry in files]
+        received = [receive(entry, source, tmps) for entry in files]
         for entry, tmp in zip(files, received):
             install(entry["path"], tmp)
             tmps.remove(tmp)
         return {"ok": True, "written": [f["path"] for f in files], "error": None}
     except Failed as exc:
+        if interrupted:  # a signal: answer, and a session ends after it (main.serve)
+            return {"ok": False, "written": [], "error": str(exc), "interrupted": True}
+        # In a session the next request follows the data: read what was sent but not taken.
+        source.drain(sum(int(f["size"]) for f in files))
         return {"ok": False, "written": [], "error": str(exc)}
     finally:
         interrupted.append(0)  # from here on, signals no longer raise
+        for signum, handler in before.items():  # a session goes on: its signals as they were
+            signal.signal(signum, handler)
         for tmp in tmps:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

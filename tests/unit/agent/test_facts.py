@@ -714,7 +714,7 @@ def test_agent_printing_garbage(tmp_path: Path) -> None:
     with pytest.raises(AgentError, match="not a JSON answer") as info:
         gather("echo", tmp_path)
     # the start of what it printed is shown (echo repeats the loader's command line)
-    assert ': "-c import sys;exec(compile(sys.stdin.buffer.read(' in str(info.value)
+    assert ': "-S -c import sys;exec(compile(sys.stdin.buffer.read(' in str(info.value)
 
 
 def test_agent_failing(tmp_path: Path) -> None:
