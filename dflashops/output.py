@@ -37,3 +37,10 @@ def duration(seconds: float | None) -> str:
     if seconds < 86400:
         return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def some(names: list[str], limit: int = 5) -> str:
+    """`a, b, c, d, e and 995 more`: a summary line names a handful, whatever the fleet's size."""
+    if len(names) <= limit:
+        return ", ".join(names)
+    return f"{', '.join(names[:limit])} and {len(names) - limit} more"

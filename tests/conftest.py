@@ -43,6 +43,15 @@ def run_cli(args: list[str], cwd: Path, capsys: pytest.CaptureFixture[str]) -> t
     return code, captured.out + captured.err
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test has its own dflashops cache folder: no result kept by one test (a pre-flight
+    pass, a file tree) can decide another's, and the user's own cache is never touched."""
+    folder = tmp_path_factory.mktemp("cache")
+    monkeypatch.setenv("DFLASHOPS_CACHE", str(folder))
+    return folder
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_process_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """No test leaves a process behind: at the end of the session (after every other fixture,

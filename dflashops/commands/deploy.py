@@ -11,6 +11,7 @@ from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
 from dflashops.lifecycle import Options
+from dflashops.output import some
 from dflashops.project import split_names
 
 
@@ -81,6 +82,6 @@ def stop(
         unknown = [n for n in names if n not in seen]
         if unknown:
             raise DflashopsError(
-                f"no unit named {', '.join(unknown)} on {', '.join(target.hosts) or 'the selected hosts'}"
+                f"no unit named {', '.join(unknown)} on {some(list(target.hosts)) or 'the selected hosts'}"
             )
     return code

@@ -11,7 +11,7 @@ from rich.console import Console
 from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import InventoryFile
 from dflashops.config.playbook import PlaybookFile
-from dflashops.output import escape
+from dflashops.output import escape, some
 from dflashops.plan import build_plan, topo_order
 from dflashops.preflight import Report, run_preflight, write_outputs
 from dflashops.preflight.live import run_live
@@ -48,11 +48,11 @@ def print_report(out: Console, report: Report) -> None:
     live = sorted({c.subject for c in report.checks if c.check == "live-reachable"})
     if live:
         reached = sum(1 for c in report.checks if c.check == "live-reachable" and c.ok)
-        out.print(f"live: {reached} of {len(live)} host(s) reached ({', '.join(live)})")
+        out.print(f"live: {reached} of {len(live)} host(s) reached ({some(live)})")
     passed = sum(1 for c in report.checks if c.ok)
     verdict = "[green]preflight passed[/]" if report.ok else "[red]preflight failed[/]"
     out.print(
-        f"{verdict}: {len(report.rendered)} units on {len(hosts)} host(s) ({', '.join(hosts) or 'none'}); "
+        f"{verdict}: {len(report.rendered)} units on {len(hosts)} host(s) ({some(hosts) or 'none'}); "
         f"{passed} checks passed, {len(report.errors)} failed, {len(report.warnings)} warnings"
     )
 

@@ -1,16 +1,19 @@
 """Offline pre-flight: everything that can be known before touching a GPU host.
 
 Validates inventory and playbooks, lays out every unit on every targeted host, renders every
-launch script, runs ``bash -n`` on each, compiles every shipped ``.py`` (INCIDENTS.md #1: a
-SyntaxError found only after launch), and checks engine flags against the engines' real flag
-lists. Results are per check and subject, for humans (text) and CI (JSON, JUnit XML).
+launch script, runs ``bash -n`` on each (once per shape, see bash_syntax.py), compiles every
+shipped ``.py`` (INCIDENTS.md #1: a SyntaxError found only after launch), and checks engine
+flags against the engines' real flag lists. Passes are kept by content (memo.py): a run whose
+scripts did not change re-checks nothing. Results are per check and subject, for humans (text)
+and CI (JSON, JUnit XML).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +23,8 @@ from xml.etree import ElementTree as ET
 from dflashops.engines.base import ShippedFile, known_flags
 from dflashops.errors import Problem
 from dflashops.plan import Plan, build_plan
+from dflashops.preflight.bash_syntax import Verdict, check_scripts
+from dflashops.preflight.memo import Passed, key
 from dflashops.project import Selection
 from dflashops.render import Rendered, render_plan, template_dirs
 
@@ -82,12 +87,15 @@ def run_preflight(selection: Selection) -> Report:
     for problem in problems:
         report.add(Check.failed("render", problem.file, problem))
     report.rendered = rendered
-    for r in rendered:
-        report.add(bash_syntax(r))
+    passed = Passed()
+    verdicts = check_scripts([(r.script, r.fingerprint) for r in rendered], passed)
+    for r, verdict in zip(rendered, verdicts, strict=True):
+        report.add(bash_syntax(r, verdict))
         for check in engine_flags(r):
             report.add(check)
     for shipped, units in _shipped_python(rendered).items():
-        report.add(compile_python(shipped, units))
+        report.add(compile_python(shipped, units, passed))
+    passed.save()
     _note_empty(report, plan)
     return report
 
@@ -109,16 +117,10 @@ def subject(r: Rendered) -> str:
     return f"{r.unit.host.name}/{r.unit.name}"
 
 
-def bash_syntax(r: Rendered) -> Check:
-    proc = subprocess.run(
-        ["bash", "-n"], input=r.script, capture_output=True, text=True, check=False
-    )
-    # bash -n exits 0 on some syntax errors (a malformed `[[ x ]`, say) and only prints them:
-    # anything on stderr is a failure too.
-    if proc.returncode == 0 and not proc.stderr.strip():
+def bash_syntax(r: Rendered, verdict: Verdict) -> Check:
+    if verdict.ok:
         return Check("bash-syntax", subject(r), True)
-    detail = proc.stderr.strip().replace("bash: ", "", 1)
-    problem = r.unit.problem(f"rendered launch script does not parse (bash -n): {detail}")
+    problem = r.unit.problem(f"rendered launch script does not parse (bash -n): {verdict.detail}")
     return Check.failed("bash-syntax", subject(r), problem)
 
 
@@ -131,12 +133,18 @@ def _shipped_python(rendered: Iterable[Rendered]) -> dict[ShippedFile, list[str]
     return out
 
 
-def compile_python(shipped: ShippedFile, units: list[str]) -> Check:
+def compile_python(shipped: ShippedFile, units: list[str], passed: Passed | None = None) -> Check:
     """Compile with the controller's Python. Compile-time errors (including 'name used prior to
-    global declaration', which no linter flagged in the field) surface here, before shipping."""
+    global declaration', which no linter flagged in the field) surface here, before shipping.
+    A pass is kept by the file's sha256 and this Python's version."""
     name = str(shipped.local)
+    memo = key("py-compile", sys.version, shipped.sha256)
+    if passed is not None and memo in passed:
+        return Check("py-compile", name, True)
     try:
         source = shipped.local.read_bytes()
+        if hashlib.sha256(source).hexdigest() != shipped.sha256:
+            memo = key("py-compile", sys.version, hashlib.sha256(source).hexdigest())
         compile(source, name, "exec", dont_inherit=True)
     except SyntaxError as exc:
         where = f"{exc.filename or name}:{exc.lineno}" + (f":{exc.offset}" if exc.offset else "")
@@ -144,6 +152,8 @@ def compile_python(shipped: ShippedFile, units: list[str]) -> Check:
         return Check("py-compile", name, False, text, "error", exc.filename or name, exc.lineno)
     except (OSError, ValueError) as exc:
         return Check("py-compile", name, False, f"{name}: cannot compile: {exc}", "error", name)
+    if passed is not None:
+        passed.add(memo)
     return Check("py-compile", name, True)
 
 
