@@ -39,7 +39,9 @@ def _dflashops_agent():
     codes = None
     tag = sys.implementation.cache_tag or "python"
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    me = _S + _B  # the modules and this loader: an entry of another version never matches
+    # The modules, this loader and the exact interpreter build (builds that share a cache tag
+    # may not share bytecode): an entry made for anything else never matches.
+    me = _S + _B + sys.version
     path = os.path.join(home, "dflashops-agent", tag, "%08x.bin" % zlib.crc32(me.encode()))
     try:
         with open(path, "rb") as f:
@@ -53,14 +55,17 @@ def _dflashops_agent():
         for name, text in sources.items():
             code = compile(text, "<dflashops-agent>/%s.py" % name, "exec")
             codes[name] = marshal.dumps(code)
+        part = "%s.%d.part" % (path, os.getpid())
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            part = "%s.%d.part" % (path, os.getpid())
             with open(part, "wb") as f:
                 f.write(marshal.dumps((me, codes)))
             os.replace(part, path)
         except Exception:
-            pass
+            try:
+                os.unlink(part)
+            except Exception:
+                pass
     def key(name):
         return "__init__" if name == top else name[len(top) + 1:]
     class Finder:
@@ -79,7 +84,11 @@ def _dflashops_agent():
             filename = "<dflashops-agent>/%s.py" % name
             import linecache
             linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
-            exec(marshal.loads(codes[name]), module.__dict__)
+            try:
+                code = marshal.loads(codes[name])
+            except Exception:  # a damaged entry whose text matched: compile this once more
+                code = compile(text, filename, "exec")
+            exec(code, module.__dict__)
     sys.meta_path.insert(0, Finder)
     import dflashops_agent
     dflashops_agent.BUNDLE = "_S = %r\n_B = %r\nexec(_B)\n" % (_S, _B)

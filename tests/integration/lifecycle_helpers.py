@@ -265,7 +265,9 @@ def sglang(port: int | str, replicas: int = 2, **kw: Any) -> dict[str, Any]:
     }
 
 
-def stub(name: str, port: int, env: dict[str, str] | None = None, **kw: Any) -> dict[str, Any]:
+def stub(
+    name: str, port: int | str, env: dict[str, str] | None = None, **kw: Any
+) -> dict[str, Any]:
     return {
         "name": name,
         "engine": "stub",

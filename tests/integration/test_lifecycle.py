@@ -51,7 +51,7 @@ from lifecycle_helpers import (
 
 import dflashops.commands.deploy
 from dflashops.lifecycle import Options
-from tests.procs import alive, boot_id, free_ports, group_members, start_time, wait_for
+from tests.procs import alive, all_pids, boot_id, free_ports, group_members, start_time, wait_for
 from tests.procs import stat as proc_stat
 
 AUX_SERVER = ["/usr/bin/python3", "-m", "http.server", "--bind", "127.0.0.1", "{port}"]
@@ -871,3 +871,71 @@ def test_status_shows_every_state_and_job_progress_and_logs_prints_the_end(
 
     # A service stopped with `dflashops stop` is "stopped", not "dead".
     assert states["idle-0"] == "stopped", st.explain()
+
+
+def agents_on(host: FleetHost) -> list[int]:
+    """Agent processes running under ``host``'s sshd (any session, any action)."""
+    found = []
+    for pid in all_pids():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"<dflashops-agent>" not in cmd:
+            continue
+        parent = pid
+        while parent > 1:
+            info = proc_stat(parent)
+            if info is None:
+                break
+            parent = int(info[1])
+            if parent == host.pid:
+                found.append(pid)
+                break
+    return found
+
+
+def test_ctrl_c_during_the_wait_on_the_hosts_ends_it_on_every_host_at_once(
+    fleet_factory: FleetFactory, ops: Callable[..., Ops], tmp_path: Path
+) -> None:
+    """Readiness is waited for on each host (one agent call); Ctrl-C on the controller must end
+    every such wait right away, not leave them polling until their timeout."""
+    fleet = fleet_factory("w1", "w2")
+    ctl = ops(fleet, hosts={h: {"vars": {"base": free_ports(1)}} for h in ("w1", "w2")})
+    slow = {"DFLASHOPS_STUB_STARTUP_SECONDS": "120"}
+    ctl.playbook(
+        "slow",
+        {
+            "hosts": ["w1", "w2"],
+            "services": [
+                stub("slow", "{{ base }}", env=slow, ready={"timeout": "10m", "interval": "5s"})
+            ],
+        },
+    )
+    argv = [sys.executable, "-m", "dflashops.cli", *ctl.argv("deploy", None)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        for name in ("w1", "w2"):
+            wait_for(
+                f"the unit started and waited for on {name}",
+                lambda h=fleet[name]: (
+                    proc.poll() is not None
+                    or (pid_record(h, "slow-0") is not None and bool(agents_on(h)))
+                ),
+                timeout=60,
+            )
+        time.sleep(0.5)  # the start's answer is in: each host's agent is now in its wait
+        assert proc.poll() is None, "deploy ended before the units were ready"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = out.decode(errors="replace")
+    assert proc.returncode == 130 and "interrupted" in text, text
+    for name in ("w1", "w2"):
+        # The host-side wait saw its stdin end and stopped: no agent is left on either host.
+        # At once: nothing is left polling on a host after the controller has gone.
+        wait_for(f"no agent left on {name}", lambda h=fleet[name]: not agents_on(h), timeout=1.0)
+        assert alive(unit_pid(fleet[name], "slow-0")), "the unit itself is left running"

@@ -34,6 +34,7 @@ from dflashops.config.playbook import (
 from dflashops.config.yamlsource import parse_yaml
 from dflashops.errors import ConfigError, Problem
 from dflashops.plan import build_plan
+from dflashops.preflight.bash_syntax import bash_n, shape
 from dflashops.preflight.offline import bash_syntax, engine_flags
 from dflashops.render import render_plan, template_dirs
 
@@ -512,9 +513,11 @@ def test_valid_playbooks_plan_and_render(
     rendered, problems = render_plan(plan, template_dirs([path]))
     problems_ok(problems, {str(path)})
     for r in rendered:
-        # pre-flight's own check: `bash -n` on the script as it would be shipped.
-        check = bash_syntax(r)
+        # pre-flight's own check: `bash -n` on the script as it would be shipped, and on the
+        # shape pre-flight checks in its place (it must parse exactly when the script does).
+        check = bash_syntax(r, bash_n(r.script))
         assert check.ok, f"{check.message}\n{r.script}"
+        assert bash_n(shape(r.script, r.fingerprint).decode()).ok, r.script
         for flags in engine_flags(r):
             assert flags.message or flags.ok
 

@@ -101,7 +101,8 @@ def spawn(folder: str, agent: str, keep_logs: int, boot: str) -> Json:
     run_id = os.urandom(8).hex()
     try:
         proc = subprocess.Popen(
-            [sys.executable, agent, "supervise", folder, str(keep_logs)],
+            # -S: no site (nor the host's .pth files): 90 ms less CPU per unit start.
+            [sys.executable, "-S", agent, "supervise", folder, str(keep_logs)],
             env=dict(os.environ, **{ownership.RUN_ID_VAR: run_id}),
             start_new_session=True,  # outlives this call and the SSH session; pgid == pid
             stdin=subprocess.DEVNULL,

@@ -1,7 +1,7 @@
 """The unit's supervisor: session leader of the unit, runs ``launch.sh``, records how it ended,
 and heals it on the host (DESIGN.md "Days of running"), with no controller needed.
 
-Run as ``python WORKDIR/agent/<sha>.py supervise UNIT_DIR KEEP_LOGS`` by ``start``. Its pid is
+Run as ``python -S WORKDIR/agent/<sha>.py supervise UNIT_DIR KEEP_LOGS`` by ``start``. Its pid is
 the recorded pid and pgid, which makes the unit's process group provable. It reads its policy
 from ``unit.json`` (``supervise``: restart, backoff, limit, liveness, stop_grace):
 

@@ -26,8 +26,10 @@ def request(
     """{status, error, body (bytes, at most ``limit`` + 1, None unless a status came back)}.
 
     HTTP/1.1 over a plain socket, ``Connection: close``: http.client would cost every probe
-    ~20 ms of imports (email.*), paid on each host at every call."""
+    ~20 ms of imports (email.*), paid on each host at every call. ``timeout`` bounds the whole
+    request, not each read: a server that trickles bytes cannot hold a probe past it."""
     import socket
+    import time
 
     out: Json = {"status": None, "error": None, "body": None}
     timeout = max(0.05, timeout)
@@ -38,11 +40,12 @@ def request(
         hdrs.setdefault("Content-Type", "application/json")
         hdrs["Content-Length"] = str(len(body))
     head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items())
+    deadline = time.monotonic() + timeout
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.settimeout(timeout)
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
             sock.sendall(head.encode("latin-1") + b"\r\n" + (body or b""))
-            status, body_out = _response(sock, limit)
+            status, body_out = _response(sock, limit, deadline)
         out["status"], out["body"] = status, body_out
     except ConnectionRefusedError:
         out["error"] = "connection refused"
@@ -57,11 +60,22 @@ def request(
     return out
 
 
-def _response(sock: Any, limit: int) -> tuple[int, bytes]:
+def _recv(sock: Any, deadline: float) -> bytes:
+    import socket
+    import time
+
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("timed out")
+    sock.settimeout(left)
+    return bytes(sock.recv(65536))
+
+
+def _response(sock: Any, limit: int, deadline: float) -> tuple[int, bytes]:
     """Status and body (at most ``limit`` + 1 bytes) of the answer on ``sock``."""
     data = b""
     while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
+        chunk = _recv(sock, deadline)
         if not chunk:
             if not data:
                 raise ValueError("connection closed without a response")
@@ -85,7 +99,7 @@ def _response(sock: Any, limit: int) -> tuple[int, bytes]:
     while (total is None or len(rest) < total) and (chunked or len(rest) < want):
         if chunked and _chunks_done(rest):
             break
-        chunk = sock.recv(65536)
+        chunk = _recv(sock, deadline)
         if not chunk:
             break  # Connection: close: the body ends with the connection
         rest += chunk
@@ -98,32 +112,43 @@ def _response(sock: Any, limit: int) -> tuple[int, bytes]:
     return int(parts[1]), rest[:want]
 
 
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+def _chunk_size(line: bytes) -> int | None:
+    """The size on a chunk-size line (extensions after ``;`` ignored); None unless it is plain
+    hex digits (int() would take "-6", "+6", "0x6" or "6_0": a negative size loops forever)."""
+    digits = line.split(b";")[0].strip()
+    if not digits or not _HEX.issuperset(digits):
+        return None
+    return int(digits, 16)
+
+
 def _dechunk(data: bytes) -> bytes:
+    """The body of a chunked answer: every chunk up to the last one or to the first line that
+    is not a chunk size (garbage: what made sense before it is kept)."""
     out, at = b"", 0
     while True:
         end = data.find(b"\r\n", at)
         if end < 0:
             return out
-        size = int(data[at:end].split(b";")[0].strip() or b"0", 16)
-        if size == 0:
+        size = _chunk_size(data[at:end])
+        if not size:
             return out
         out += data[end + 2 : end + 2 + size]
         at = end + 2 + size + 2
 
 
 def _chunks_done(data: bytes) -> bool:
-    """Whether a chunked body has reached its last (empty) chunk."""
+    """Whether a chunked body has reached its last (empty) chunk, or garbage."""
     at = 0
     while True:
         end = data.find(b"\r\n", at)
         if end < 0:
             return False
-        try:
-            size = int(data[at:end].split(b";")[0].strip() or b"0", 16)
-        except ValueError:
-            return True  # garbage: stop reading, _dechunk keeps what made sense
-        if size == 0:
-            return True
+        size = _chunk_size(data[at:end])
+        if not size:
+            return True  # the last chunk (0), or garbage: stop reading
         at = end + 2 + size + 2
         if at > len(data):
             return False

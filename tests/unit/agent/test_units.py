@@ -284,8 +284,9 @@ def test_start_returns_at_once_and_the_unit_is_detached(host: Host) -> None:
     # The supervisor runs from the content-addressed copy of the agent that start left behind.
     copy = host.workdir / "agent" / f"{digest()[:16]}.py"
     assert copy.read_bytes() == bundle()
-    assert cmdline(pid)[:4] == [
+    assert cmdline(pid)[:5] == [
         HOST_PYTHON.encode(),
+        b"-S",
         str(copy).encode(),
         b"supervise",
         str(host.unit_dir("job")).encode(),
