@@ -12,7 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 class FactsModel(BaseModel):
     """Strict (no coercion between JSON types), frozen; unknown keys from newer payloads ignored."""
 
-    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+    # defer_build: a model is built the first time it validates (a no-op deploy builds the
+    # facts models only, not the answers of actions it never calls).
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore", defer_build=True)
 
 
 def summarize(exc: ValidationError, limit: int = 8) -> str:

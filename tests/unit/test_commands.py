@@ -84,7 +84,7 @@ def test_defaults_in_help_come_from_the_defaults() -> None:
         for opt in command.options:
             if opt.kind in ("int", "str") and opt.default is not None:
                 assert opt.help_text().endswith(f"(default {opt.default})")
-    assert "(default 10)" in argparse_view()["deploy"]["forks"]["help"]
+    assert "(default 64)" in argparse_view()["deploy"]["forks"]["help"]
 
 
 def test_every_command_function_takes_exactly_the_table_options() -> None:

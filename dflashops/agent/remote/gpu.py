@@ -69,9 +69,10 @@ def skipped() -> Json:
 def gather(timeout: float, exe: str | None = None) -> Json:
     """{available, error, devices [{index, uuid, name, memory_used_mib, memory_total_mib,
     utilization_pct}], processes [{pid, gpu_uuid, gpu_index, used_mib, process_name}]}.
-    Both queries run at once (nvidia-smi is slow on a loaded node)."""
-    import threading
 
+    The compute-apps query runs only when a device has memory in use: a process on a GPU holds
+    memory (its CUDA context alone is hundreds of MiB), so with every device at 0 MiB the list is
+    empty, and an idle node pays for one nvidia-smi, not two (it is slow: NVML's start-up)."""
     exe = exe or which("nvidia-smi")
     if exe is None:
         return empty("nvidia-smi not found")
@@ -84,16 +85,12 @@ def gather(timeout: float, exe: str | None = None) -> Json:
         except Exception as exc:
             errors[key] = str(exc) if isinstance(exc, RuntimeError) else describe(exc)
 
-    threads = [
-        threading.Thread(target=one, args=item, daemon=True)
-        for item in (("gpu", DEVICE_QUERY), ("apps", APPS_QUERY))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    one("gpu", DEVICE_QUERY)
     if "gpu" in errors:
         return empty(errors["gpu"])
+    used = [parse_int(c[-3]) if len(c) >= 6 else None for c in got.get("gpu", [])]
+    if any(u != 0 for u in used):  # in use, or not known: ask who holds it
+        one("apps", APPS_QUERY)
     result = empty(None)
     by_uuid: dict[str, int] = {}
     for cells in got.get("gpu", []):

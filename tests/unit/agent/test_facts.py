@@ -682,6 +682,41 @@ def test_gpu_na_values_and_failures(tmp_path: Path) -> None:
     assert not none.gpus.available and none.gpus.error == "nvidia-smi not found"
 
 
+def test_idle_gpus_cost_one_nvidia_smi_and_busy_ones_two(tmp_path: Path) -> None:
+    """With every device at 0 MiB no process can hold one (a CUDA context alone takes
+    hundreds of MiB): the compute-apps query is not run. Memory in use, or unknown, is."""
+    calls = tmp_path / "calls"
+
+    def smi(name: str, used: str) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        wrapper(
+            folder / "nvidia-smi",
+            f'echo "$1" >> {shlex.quote(str(calls))}\n'
+            'case "$1" in\n'
+            f'  --query-gpu=*) echo "0, GPU-aaa, NVIDIA B200, 0, 183359, 0";'
+            f' echo "1, GPU-bbb, NVIDIA B200, {used}, 183359, 0";;\n'
+            '  --query-compute-apps=*) echo "4242, GPU-bbb, 900, python3";;\n'
+            "esac",
+        )
+        return folder
+
+    for name, used, queries, pids in (
+        ("idle", "0", 1, []),
+        ("busy", "900", 2, [4242]),
+        ("unknown", "[N/A]", 2, [4242]),
+    ):
+        calls.unlink(missing_ok=True)
+        py = wrapper(
+            tmp_path / f"py-{name}",
+            f'PATH={shlex.quote(str(smi(name, used)))}:/usr/bin:/bin exec {shlex.quote(ANY_PYTHON)} "$@"',
+        )
+        got = gather(py, tmp_path / "wd")
+        assert got.gpus.available and got.gpus.error is None, name
+        assert len(calls.read_text().splitlines()) == queries, name
+        assert got.gpu_pids(1) == pids, name
+
+
 # ------------------------------------------------------------------------------ faults
 
 
