@@ -5,6 +5,9 @@ Service ``NAME`` with ``replicas: N`` becomes units ``NAME-0 .. NAME-(N-1)`` on 
 host, replica i on ``port + i``. Jobs keep their name. GPUs are handed out per host: explicit
 lists first (they are claims), then ``auto`` services in playbook order, then jobs' GPU counts
 from what is left.
+
+A service with ``nodes: [a, b]`` spans hosts: each of them has a part ``NAME-0`` with its rank
+(the list's order, head first) and tp*dp/len(nodes) GPUs; only the head has a port.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from dflashops.config.playbook import (
     Job,
     ModelService,
     PlaybookFile,
+    SglangService,
     VllmService,
 )
 from dflashops.config.yamlsource import PathKey
@@ -55,6 +59,16 @@ class Unit:
     env: EnvPlan | None = None  # the environment it runs in
     content: tuple[str, ...] = ()  # files entries (keys) whose content it runs on: its model
     waits: tuple[str, ...] = ()  # files entries (keys) that must be in place first
+    # A part of a unit over several hosts: every host of ``nodes`` (rank order, head first) has
+    # a part of that name; ``rank`` is this host's; the others dial ``head``:``dist_port``.
+    nodes: tuple[str, ...] = ()
+    rank: int | None = None
+    head: str | None = None
+    dist_port: int | None = None
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.nodes) > 1
 
     @property
     def tp(self) -> int:
@@ -124,9 +138,10 @@ def build_plan(
     # A templated playbook is validated once per host: the same mistake must be said once.
     problems[:] = list(dict.fromkeys(problems))
     for name, entries in placed.items():
-        host_plan, errs = _plan_host(inventory, inventory.hosts[name], entries)
+        host_plan, errs = _plan_host(inventory, inventory.hosts[name], entries, set(placed))
         plan.hosts[name] = host_plan
         problems.extend(errs)
+    problems[:] = list(dict.fromkeys(problems))  # a multi-node mistake is found on each node
     return plan
 
 
@@ -195,7 +210,10 @@ def _expand_for_host(book: Playbook, host: Host, problems: list[Problem]) -> Pla
 
 
 def _plan_host(
-    inventory: Inventory, host: Host, entries: list[tuple[Playbook, PlaybookFile]]
+    inventory: Inventory,
+    host: Host,
+    entries: list[tuple[Playbook, PlaybookFile]],
+    planned: set[str],
 ) -> tuple[HostPlan, list[Problem]]:
     problems: list[Problem] = []
     node = plan_node(
@@ -214,7 +232,12 @@ def _plan_host(
                 if isinstance(svc.gpus, list) == explicit:
                     source: PathKey = ("services", i)
                     made.append(
-                        ((b, 0, i), _service_units(host, book, svc, source, allocator, problems))
+                        (
+                            (b, 0, i),
+                            _service_units(
+                                host, book, svc, source, allocator, problems, inventory, planned
+                            ),
+                        )
                     )
         for b, (book, spec) in enumerate(entries):
             for i, job in enumerate(spec.jobs):
@@ -330,6 +353,68 @@ class _GpuAllocator:
         return ", ".join(f"{u} {gs}" for u, gs in by_unit.items())
 
 
+def _nodes(
+    inventory: Inventory,
+    book: Playbook,
+    svc: SglangService,
+    source: PathKey,
+    planned: set[str],
+    problems: list[Problem],
+) -> list[str] | None:
+    """The hosts a multi-node service spans, in rank order; None (with problems) if unusable."""
+    assert svc.nodes is not None
+    where = _locator(book, (*source, "nodes"), f"service {svc.name}: ")
+    seen: list[str] = []
+    ok = True
+    for name in svc.nodes:
+        try:
+            members = inventory.expand([name])
+        except KeyError:
+            known = ", ".join(sorted([*inventory.hosts, *inventory.groups]))
+            problems.append(
+                where(f"unknown host or group {name!r} in nodes (inventory has: {known})")
+            )
+            ok = False
+            continue
+        for m in members:
+            if m in seen:
+                problems.append(where(f"host {m} is named twice in nodes: each node runs one rank"))
+                ok = False
+            else:
+                seen.append(m)
+    if not ok:
+        return None
+    targeted, _ = targets(inventory, book)
+    outside = [n for n in seen if n not in targeted]
+    if outside:
+        problems.append(
+            where(
+                f"nodes {', '.join(outside)} are not hosts this playbook targets "
+                f"(hosts: {', '.join(book.head.host_patterns)})"
+            )
+        )
+        return None
+    left_out = [n for n in seen if n not in planned]
+    if left_out and len(left_out) < len(seen):
+        problems.append(
+            where(
+                f"spans {', '.join(seen)}, but {', '.join(left_out)} are not selected: select "
+                "every node of it (--host) or none, a rank alone waits for the others forever"
+            )
+        )
+        return None
+    total = svc.tp * svc.dp
+    if total % len(seen):
+        problems.append(
+            _locator(book, (*source, "tp"), f"service {svc.name}: ")(
+                f"tp {svc.tp} x dp {svc.dp} = {total} GPUs do not split evenly over "
+                f"{len(seen)} nodes"
+            )
+        )
+        return None
+    return seen
+
+
 def _service_units(
     host: Host,
     book: Playbook,
@@ -337,22 +422,32 @@ def _service_units(
     source: PathKey,
     allocator: _GpuAllocator,
     problems: list[Problem],
+    inventory: Inventory,
+    planned: set[str],
 ) -> list[Unit]:
     per_replica = svc.tp * svc.dp if isinstance(svc, ModelService) else svc.gpus_per_replica
     where_gpus = _locator(book, (*source, "gpus"), f"service {svc.name}: ")
+    nodes: list[str] = []
+    if isinstance(svc, SglangService) and svc.nodes is not None:
+        found = _nodes(inventory, book, svc, source, planned, problems)
+        if found is None or host.name not in found:
+            return []  # unusable (said above), or a service of other hosts
+        nodes = found
+        per_replica //= len(nodes)  # GPUs of this node's rank
     explicit: list[int] | None = svc.gpus if isinstance(svc.gpus, list) else None
     if explicit is not None and len(explicit) != per_replica * svc.replicas:
         problems.append(
             where_gpus(
                 f"lists {len(explicit)} GPU(s) but {svc.replicas} replica(s) x tp*dp {per_replica} "
                 f"need {per_replica * svc.replicas}"
+                + (f" (per node: {len(nodes)} nodes)" if nodes else "")
             )
         )
         return []
     if explicit is None and per_replica * svc.replicas > host.gpus:
         # One message for the whole service instead of one per replica that does not fit.
         tp_dp = (
-            f"tp {svc.tp} x dp {svc.dp}"
+            f"tp {svc.tp} x dp {svc.dp}" + (f" over {len(nodes)} nodes" if nodes else "")
             if isinstance(svc, ModelService)
             else f"{per_replica} per replica"
         )
@@ -364,6 +459,9 @@ def _service_units(
         )
         return []
     base_port = svc.port or DEFAULT_PORTS.get(svc.engine)
+    rank = nodes.index(host.name) if nodes else None
+    if rank:  # a worker rank serves no HTTP: readiness and identity are the head's
+        base_port = None
     units = []
     for r in range(svc.replicas):
         name = f"{svc.name}-{r}"
@@ -386,6 +484,10 @@ def _service_units(
                 replica=r,
                 port=base_port + r if base_port is not None else None,
                 gpus=gpus,
+                nodes=tuple(nodes),
+                rank=rank,
+                head=inventory.hosts[nodes[0]].dial_address if nodes else None,
+                dist_port=svc.dist_port if nodes and isinstance(svc, SglangService) else None,
             )
         )
     return units
@@ -409,18 +511,25 @@ def _check_names(units: list[Unit]) -> list[Problem]:
 
 
 def _check_ports(units: list[Unit]) -> list[Problem]:
+    """Every port a unit listens on is its own on the host: HTTP ports, and the rendezvous port
+    of a multi-node unit on its head."""
     seen: dict[int, Unit] = {}
     problems = []
     for u in units:
-        if u.port is None:
-            continue
-        if u.port > 65535:
-            problems.append(
-                u.problem(f"port {u.port} is above 65535 (port + replica index)", "port")
-            )
-        elif u.port in seen:
-            problems.append(u.problem(f"port {u.port} is also used by {seen[u.port].name}", "port"))
-        seen.setdefault(u.port, u)
+        ports = [(u.port, "port")] if u.port is not None else []
+        if u.rank == 0 and u.dist_port is not None:
+            ports.append((u.dist_port, "dist_port"))
+        for port, field_name in ports:
+            if port > 65535:
+                problems.append(
+                    u.problem(f"port {port} is above 65535 (port + replica index)", field_name)
+                )
+            elif port in seen:
+                what = "rendezvous port" if field_name == "dist_port" else "port"
+                problems.append(
+                    u.problem(f"{what} {port} is also used by {seen[port].name}", field_name)
+                )
+            seen.setdefault(port, u)
     return problems
 
 

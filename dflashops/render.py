@@ -163,7 +163,7 @@ def render_unit(env: Environment, unit: Unit) -> Rendered:
     """Render one unit. The fingerprint hashes the script (rendered without it), the content of
     every shipped file and the names of its secrets, so any change to what runs changes it."""
     launch = launch_for(unit)
-    unit_env = {**unit.host.env, **unit.spec.env}
+    unit_env = {**unit.host.env, **launch.env, **unit.spec.env}
     context = {
         "unit": _UnitView(unit),
         "argv": launch.argv,
@@ -227,3 +227,7 @@ class _UnitView:
         self.cuda_visible_devices = ",".join(map(str, unit.gpus))
         self.replica = unit.replica
         self.env_path = HostPath(unit.env.path) if unit.env is not None else None
+        # A part of a multi-node unit: its rank and the nodes, in rank order (else empty).
+        self.nodes = list(unit.nodes) if unit.multi_node else []
+        self.rank = unit.rank
+        self.rendezvous = f"{unit.head}:{unit.dist_port}" if unit.multi_node else ""

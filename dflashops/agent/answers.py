@@ -291,6 +291,7 @@ class HostFacts(FactsModel):
     tools: dict[str, str | None] = Field(default_factory=dict)  # uv, hf: where, or None
     notify_sha256: str | None = None  # of WORKDIR/notify.json, the host's webhook
     probe: ProbeResult | None = None  # the units asked about, probed in the same call
+    interfaces: list[str] = Field(default_factory=list)  # network interfaces (/sys/class/net)
     errors: dict[str, str] = Field(default_factory=dict)  # parts of the payload that failed
     elapsed_s: float | None = None
 
@@ -547,6 +548,21 @@ class BuildResult(FactsModel):
     seconds: float = 0.0
     log: str | None = None
     error: str | None = None
+
+
+class Listening(FactsModel):
+    """The head's side of a rendezvous check, as it starts (``listening``) and as it ends."""
+
+    listening: bool
+    held: bool = False  # the port is taken (by the unit's own engine, or by someone else)
+    error: str | None = None
+    peers: list[dict[str, str]] = Field(default_factory=list)  # {name, from}
+
+
+class Dialled(FactsModel):
+    ok: bool
+    error: str | None = None
+    seconds: float | None = None
 
 
 HostFacts.model_rebuild()  # its probe field names a model defined below it

@@ -9,12 +9,13 @@ that fail are not errors of the call: their results say ``ok: false`` and why.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -22,8 +23,10 @@ from pydantic import BaseModel, ValidationError
 from dflashops.agent.answers import (
     BuildResult,
     CopyResult,
+    Dialled,
     GpuFacts,
     HostFacts,
+    Listening,
     ProbeResult,
     ProbeSpec,
     ReceiveResult,
@@ -250,6 +253,63 @@ class Agent:
         if found.gpus is None:
             raise AgentError(self.host, "the probe answered without the GPUs asked for")
         return found.gpus
+
+    # -- a multi-node unit's rendezvous, before any GPU is touched -----------------------------
+
+    @contextlib.contextmanager
+    def listening(
+        self, workdir: str, address: str, port: int, expect: int, timeout: float
+    ) -> Iterator[tuple[Listening, Callable[[], Listening]]]:
+        """The head listens on ``address``:``port`` for ``expect`` peers. Yields what it said as
+        it started (listening, or why not) and a function that waits for its final answer."""
+        request = {
+            "action": "rendezvous",
+            "workdir": workdir,
+            "role": "listen",
+            "address": address,
+            "port": port,
+            "expect": expect,
+            "timeout": timeout,
+        }
+        self.round_trips += 1
+        stream = self.conn.stream(command(self.python))
+        try:
+            stream.send(bundle() + json.dumps(request).encode() + b"\n")
+            first = self._rendezvous_line(stream, timeout=30.0)
+            if not first.listening:
+                yield first, lambda: first
+                return
+
+            def finish() -> Listening:
+                return self._rendezvous_line(stream, timeout=timeout + SLACK)
+
+            yield first, finish
+        finally:
+            stream.close()
+
+    def _rendezvous_line(self, stream: Any, timeout: float) -> Listening:
+        try:
+            raw = stream.readline(timeout)
+        except StreamEnded:
+            self.answer("rendezvous", stream.ending())  # raises, saying why
+            raise AgentError(self.host, "the rendezvous check ended without an answer") from None
+        if raw.startswith(b'{"listening"'):  # the head's "I am listening" line
+            return self.validate(Listening, json.loads(raw), "rendezvous")
+        data = self.answer("rendezvous", Result("agent rendezvous", 0, raw, b""))
+        return self.validate(Listening, data, "rendezvous")
+
+    def dial(self, workdir: str, address: str, port: int, name: str, timeout: float) -> Dialled:
+        """Connect to the head's rendezvous as a worker rank would."""
+        request = {
+            "workdir": workdir,
+            "role": "dial",
+            "address": address,
+            "port": port,
+            "name": name,
+            "timeout": timeout,
+        }
+        data = self.call("rendezvous", request, timeout=timeout + SLACK)
+        return self.validate(Dialled, data, "rendezvous")
 
     def start(self, workdir: str, units: Sequence[tuple[str, int]]) -> dict[str, StartResult]:
         """Start each ``(name, keep_logs)`` unit; returns at once (it never waits for the engine)."""

@@ -181,9 +181,10 @@ def status(
             rows.append(row)
             color = STATE_COLORS.get(row["state"], "red")
             bad = bad or color == "red"
+            rank = f" [rank {r.unit.rank}/{len(r.unit.nodes)}]" if r.unit.multi_node else ""
             table.add_row(
                 name,
-                r.unit.name,
+                escape(r.unit.name + rank),
                 f"[{color}]{row['state']}[/]",
                 str(row["pid"] or ""),
                 row["uptime"],
@@ -268,6 +269,7 @@ def status_row(
     return {
         "host": r.unit.host.name,
         "unit": r.unit.name,
+        "rank": r.unit.rank,  # a part of a unit over several nodes: one row per rank
         "state": state,
         "pid": pid,
         "uptime": up,

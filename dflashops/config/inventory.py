@@ -14,6 +14,7 @@ from dflashops.config.types import (
     Env,
     HostKey,
     Name,
+    NetIf,
     PathStr,
     Port,
     Text,
@@ -108,6 +109,13 @@ class HostSettings(StrictModel):
     notify: Annotated[
         Notify | None, Field(description="Webhook for restarts and give-ups, posted by the host.")
     ] = None
+    net_if: Annotated[
+        NetIf | None,
+        Field(
+            description="Network interface the ranks of a multi-node unit talk over; rendered as "
+            "NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME for them (default: the libraries' own choice)."
+        ),
+    ] = None
 
 
 class HostSpec(HostSettings):
@@ -120,6 +128,13 @@ class HostSpec(HostSettings):
     host_key: Annotated[
         HostKey | None,
         Field(description="Pinned public host key ('ssh-ed25519 AAAA...'); beats known_hosts."),
+    ] = None
+    internal_address: Annotated[
+        Address | None,
+        Field(
+            description="Address other hosts dial to reach this one (the rendezvous of a "
+            "multi-node unit whose head it is); default: address."
+        ),
     ] = None
 
 
@@ -155,6 +170,13 @@ class Host:
     env: dict[str, str] = field(default_factory=dict)
     vars: dict[str, Any] = field(default_factory=dict)
     webhook: str | None = None  # a URL or env:NAME, from notify
+    internal_address: str | None = None  # what other hosts dial (default: address)
+    net_if: str | None = None
+
+    @property
+    def dial_address(self) -> str:
+        """Where the other ranks of a multi-node unit reach this host."""
+        return self.internal_address or self.address or "127.0.0.1"
 
     @property
     def is_local(self) -> bool:
@@ -203,5 +225,7 @@ def resolve_hosts(spec: InventoryFile, inventory_path: Path) -> dict[str, Host]:
             env={**d.env, **h.env},
             vars={**d.vars, **h.vars},
             webhook=notify.webhook if (notify := h.notify or d.notify) is not None else None,
+            internal_address=h.internal_address,
+            net_if=h.net_if or d.net_if,
         )
     return hosts

@@ -205,6 +205,24 @@ class ModelService(ServiceBase):
 
 class SglangService(ModelService):
     engine: Literal["sglang"]
+    nodes: Annotated[
+        list[Name] | None,
+        Field(
+            min_length=1,
+            description="Hosts (or groups) the service spans, in rank order: the first is the head "
+            "(node 0). Each runs SGLang's own multi-node launch (--nnodes, --node-rank, "
+            "--dist-init-addr); tp and dp count every node, so each node runs tp*dp/len(nodes) GPUs.",
+        ),
+    ] = None
+    dist_port: Annotated[
+        Port, Field(description="Rendezvous port on the head of a multi-node service.")
+    ] = 29500
+
+    @model_validator(mode="after")
+    def _one_replica_over_nodes(self) -> SglangService:
+        if self.nodes is not None and self.replicas != 1:
+            raise ValueError("a service over several nodes has one replica (`replicas: 1`)")
+        return self
 
 
 class StubService(ModelService):

@@ -142,7 +142,21 @@ def _scalar_to_str(value: Any) -> Any:
     return value
 
 
+_NET_IF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}$")
+
+
+def _net_if(value: str) -> str:
+    # Linux interface names: at most 15 bytes, no '/' or whitespace (IFNAMSIZ).
+    if not _NET_IF.match(value):
+        raise ValueError(
+            f"{value!r} is not a network interface name (like 'ens1', 'eth0', 'ib0': letters, "
+            "digits, '_', '.', ':', '@', '-', at most 15 characters)"
+        )
+    return value
+
+
 Name = Annotated[str, AfterValidator(_name)]
+NetIf = Annotated[str, AfterValidator(_net_if)]
 EnvName = Annotated[str, AfterValidator(_env_name)]
 EnvValue = Annotated[str, BeforeValidator(_scalar_to_str), AfterValidator(_text)]
 PathStr = Annotated[str, AfterValidator(_path)]

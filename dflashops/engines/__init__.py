@@ -42,11 +42,13 @@ def launch_for(unit: Unit) -> Launch:
     assert isinstance(spec, ModelService)
     port = str(unit.port)
     if spec.engine == "sglang":
-        flags = [*_sglang_core(spec, port), *to_flags(spec.args)]
+        flags = [*_sglang_core(spec, port if unit.port is not None else None), *_nodes(unit)]
+        flags += to_flags(spec.args)
         return Launch(
             [python, "-m", "sglang.launch_server", *flags],
             flags,
             health_path=spec.ready.path or "/health",
+            env=_node_env(unit),
         )
     if spec.engine == "stub":
         stub = ShippedFile.of(resolve_file("dflashops:stub_engine", Path()))
@@ -82,19 +84,40 @@ def launch_for(unit: Unit) -> Launch:
     return launch
 
 
-def _sglang_core(spec: ModelService, port: str) -> list[str]:
+def _sglang_core(spec: ModelService, port: str | None) -> list[str]:
+    """``port`` None: a worker rank of a multi-node service, which serves no HTTP."""
     return [
         "--model-path",
         spec.model,
         "--host",
         spec.bind,
-        "--port",
-        port,
+        *(["--port", port] if port is not None else []),
         "--tp-size",
         str(spec.tp),
         "--dp-size",
         str(spec.dp),
     ]
+
+
+def _nodes(unit: Unit) -> list[str]:
+    """SGLang's own multi-node launch: every rank dials the head's rendezvous port."""
+    if not unit.multi_node:
+        return []
+    return [
+        "--nnodes",
+        str(len(unit.nodes)),
+        "--node-rank",
+        str(unit.rank),
+        "--dist-init-addr",
+        f"{unit.head}:{unit.dist_port}",
+    ]
+
+
+def _node_env(unit: Unit) -> dict[str, str]:
+    """The interface NCCL and Gloo use between the nodes, when the inventory names one."""
+    if not unit.multi_node or unit.host.net_if is None:
+        return {}
+    return {"NCCL_SOCKET_IFNAME": unit.host.net_if, "GLOO_SOCKET_IFNAME": unit.host.net_if}
 
 
 def _job(unit: Unit, job: Job, python: Token) -> Launch:

@@ -71,6 +71,7 @@ class Launch:
     files: list[ShippedFile] = field(default_factory=list)
     health_path: str | None = None
     problems: list[Problem] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # set by the engine (the unit's env wins)
 
 
 def to_flags(args: dict[str, Any]) -> list[str]:

@@ -2,7 +2,8 @@
 banner with the desired unit (INCIDENTS.md #2: the old TP=2 DP=2 server kept running unnoticed).
 
 - SGLang and the stub: ``/server_info`` (fallback ``/get_server_info``): tp_size, dp_size,
-  model_path, port.
+  model_path, port; for the head of a unit over several nodes, nnodes and node_rank (its worker
+  ranks serve no HTTP: their banner is their identity).
 - vLLM: ``/v1/models`` (``root`` is the model path); TP and DP from vLLM's own
   ``non-default args: {...}`` log line (the launch banner when that line is missing).
 - Everything: the banner's unit name and fingerprint.
@@ -50,6 +51,8 @@ def check(r: Rendered, probe: UnitProbe) -> list[Mismatch]:
     spec = unit.spec
     if not isinstance(spec, ModelService):
         return out
+    if unit.multi_node and unit.rank:
+        return out  # a worker rank serves no HTTP: the head's identity stands for the unit
     if unit.engine in ("sglang", "stub"):
         if not isinstance(body, dict):
             out.append(("server_info", "a JSON object", repr(body)[:80]))
@@ -58,6 +61,9 @@ def check(r: Rendered, probe: UnitProbe) -> list[Mismatch]:
         _cmp(out, "dp_size", spec.dp, body.get("dp_size"))
         _cmp(out, "model_path", spec.model, body.get("model_path"))
         _cmp(out, "port", unit.port, body.get("port"))
+        if unit.multi_node:
+            _cmp(out, "nnodes", len(unit.nodes), body.get("nnodes"))
+            _cmp(out, "node_rank", 0, body.get("node_rank"))
     elif unit.engine == "vllm":
         data = body.get("data") if isinstance(body, dict) else None
         roots = [m.get("root") for m in data or [] if isinstance(m, dict)]

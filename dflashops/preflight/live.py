@@ -2,7 +2,9 @@
 
 Reachable with the right key; at least the inventory's GPU count; free disk; a python that can
 run the agent; the engines the playbooks use import on the host; model paths exist; every
-port a unit will listen on is free or held by that very unit.
+port a unit will listen on is free or held by that very unit. For a unit over several nodes:
+each node's net_if exists, and each worker rank opens a TCP connection to the head's
+internal_address:dist_port while the head listens for the check.
 """
 
 from __future__ import annotations
@@ -307,9 +309,113 @@ def run_live(plan: Plan, report: Report, forks: int) -> None:
     hosts = list(plan.hosts.values())
     by_name = {hp.host.name: hp for hp in hosts}
     outcomes = on_hosts([hp.host for hp in hosts], lambda h: gather(by_name[h.name]), forks)
+    facts: dict[str, HostFacts] = {}
     for name, outcome in outcomes.items():
         if outcome.value is None:
             report.add(Check("live-reachable", name, False, outcome.error or "unknown failure"))
             continue
+        facts[name] = outcome.value
         for check in live_checks(by_name[name], outcome.value):
             report.add(check)
+    for check in multi_node_checks(plan, facts):
+        report.add(check)
+
+
+# -- units over several nodes --------------------------------------------------------------
+
+
+def multi_node_checks(plan: Plan, facts: dict[str, HostFacts]) -> list[Check]:
+    """Each node's net_if exists, and each worker rank reaches its head's rendezvous port
+    (the head listens for the check): what makes rank 0 hang at NCCL init otherwise."""
+    checks: list[Check] = []
+    heads = [u for hp in plan.hosts.values() for u in hp.units if u.multi_node and u.rank == 0]
+    for head in heads:
+        parts = (
+            [u for n in head.nodes for u in plan.hosts[n].units if u.name == head.name]
+            if all(n in plan.hosts for n in head.nodes)
+            else []
+        )
+        for u in parts:
+            nic, got = u.host.net_if, facts.get(u.host.name)
+            if nic is None or got is None:
+                continue
+            ok = nic in got.interfaces
+            checks.append(
+                Check(
+                    "live-net-if",
+                    f"{u.host.name}/{nic}",
+                    ok,
+                    ""
+                    if ok
+                    else f"[{u.host.name}] net_if {nic} (for {u.name}) is not an interface of "
+                    f"the host (it has: {', '.join(got.interfaces) or 'none'}); NCCL would fail "
+                    "at init. Fix net_if in the inventory",
+                )
+            )
+        if all(n in facts for n in head.nodes):
+            checks.append(_rendezvous(head, plan, facts))
+    return checks
+
+
+def _rendezvous(head: Unit, plan: Plan, facts: dict[str, HostFacts]) -> Check:
+    assert head.head is not None and head.dist_port is not None
+    where = f"{head.head}:{head.dist_port}"
+    subject = f"{head.host.name}/{head.name}@{where}"
+    mine = facts[head.host.name].unit(head.name)
+    workers = [n for n in head.nodes if n != head.host.name]
+    conns = {n: connect(plan.hosts[n].host) for n in head.nodes}
+    try:
+        agents = {n: Agent(c, plan.hosts[n].host.python) for n, c in conns.items()}
+        with agents[head.host.name].listening(
+            plan.hosts[head.host.name].host.workdir, head.head, head.dist_port, len(workers), 10.0
+        ) as (first, finish):
+            if not first.listening:
+                if first.held and mine is not None and mine.process.alive and mine.process.ours:
+                    return Check(
+                        "live-rendezvous", subject, True, f"held by the running {head.name}"
+                    )
+                holder = facts[head.host.name].listener(head.dist_port)
+                pids = (
+                    f" (pids {', '.join(map(str, holder.pids))})" if holder and holder.pids else ""
+                )
+                cause = (
+                    f"port {head.dist_port} is taken on {head.host.name}{pids}: pick another "
+                    "dist_port or stop what holds it"
+                    if first.held
+                    else f"is {head.head} an address of {head.host.name}? (internal_address)"
+                )
+                return Check(
+                    "live-rendezvous",
+                    subject,
+                    False,
+                    f"[{head.host.name}] the head of {head.name} cannot listen on {where}, "
+                    f"where the ranks on {', '.join(workers)} dial it: {first.error}; {cause}",
+                )
+            dialled = on_hosts(
+                [plan.hosts[n].host for n in workers],
+                lambda h: agents[h.name].dial(
+                    plan.hosts[h.name].host.workdir,
+                    head.head or "",
+                    head.dist_port or 0,
+                    h.name,
+                    5.0,
+                ),
+            )
+            finish()
+    finally:
+        for c in conns.values():
+            c.close()
+    failed = []
+    for name, outcome in dialled.items():
+        got = outcome.value
+        if got is None or not got.ok:
+            why = got.error if got is not None else outcome.error
+            failed.append(
+                f"[{name}] cannot reach the head {head.host.name} of {head.name} at {where} "
+                f"({why}): open TCP port {head.dist_port} on {head.host.name} to {name}, and "
+                f"check that {head.head} is the address {name} reaches it at (internal_address); "
+                "a rank that cannot reach the head hangs at NCCL init"
+            )
+    if failed:
+        return Check("live-rendezvous", subject, False, "; ".join(failed))
+    return Check("live-rendezvous", subject, True, f"{', '.join(workers)} reached {where}")

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -372,3 +373,266 @@ def test_fake_launch_vllm_execs_vllm_in_place(tmp_path: Path) -> None:
         assert [p for p, _, _ in apps(tmp_path)] == [proc.pid]  # execv kept the pid
     finally:
         assert proc.stop() == 0
+
+
+# ----------------------------------------------------------------------------- fake sglang, multi-node
+
+
+INIT_BEGIN = "Init torch distributed begin."
+INIT_ENDS = "Init torch distributed ends."
+NCCL_LOST = "NCCL error: remote process exited or there was a network error"
+SGLANG_READY = "The server is fired up and ready to roll!"
+
+
+def node_argv(dist: str, rank: int, nnodes: int = 2, *flags: str) -> list[str]:
+    return sglang_argv(
+        "--model-path", "M", "--nnodes", str(nnodes), "--node-rank", str(rank),
+        "--dist-init-addr", dist, *flags,
+    )  # fmt: skip
+
+
+def node_env(state: Path, gpus: int | None = None) -> dict[str, str]:
+    if gpus is not None:
+        write_json(state / "config.json", {"count": gpus})
+    return host_env(state, DFLASHOPS_STUB_STARTUP_SECONDS="0.1")
+
+
+def entry(state: Path, proc: Proc) -> Path:
+    """The fake GPU registration of ``proc`` (gone after any exit but SIGKILL)."""
+    return state / "procs" / f"{proc.pid}.json"
+
+
+def never_healthy(port: int, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            status = request(port, "GET", "/health", timeout=1.0).status
+        except OSError:
+            status = None  # refused: nothing serves HTTP yet
+        assert status != 200
+        time.sleep(0.05)
+
+
+def dial(dist: str, line: str, timeout: float = 5.0) -> socket.socket:
+    """Connect to a head's rendezvous (retrying until it listens) and send ``line``."""
+    host, _, port = dist.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=timeout)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    sock.sendall(line.encode() + b"\n")
+    return sock
+
+
+def answer(sock: socket.socket) -> tuple[str, bool]:
+    """The head's answer line, and whether it closed the connection right after."""
+    data = b""
+    while b"\n" not in data:
+        chunk = sock.recv(256)
+        if not chunk:
+            return data.decode(), True
+        data += chunk
+    line, _, rest = data.partition(b"\n")
+    sock.settimeout(0.3)
+    try:
+        closed = not rest and not sock.recv(256)
+    except TimeoutError:
+        closed = False
+    sock.settimeout(5.0)
+    return line.decode(), closed
+
+
+@pytest.mark.parametrize("head_first", [True, False], ids=["head-first", "worker-first"])
+def test_fake_sglang_two_nodes_meet_then_the_head_serves(tmp_path: Path, head_first: bool) -> None:
+    port, dist = free_port(), f"127.0.0.1:{free_port()}"
+    flags = ("--port", str(port), "--tp-size", "4", "--mem-fraction-static", "0.5")
+    head_state, worker_state = tmp_path / "head", tmp_path / "worker"
+    procs: list[Proc] = []
+    try:
+        if head_first:
+            head = Proc(node_argv(dist, 0, 2, *flags), node_env(head_state, gpus=2))
+            procs.append(head)
+            head.wait_for_line(INIT_BEGIN)
+            never_healthy(port, 0.5)
+            worker = Proc(node_argv(dist, 1, 2, *flags), node_env(worker_state, gpus=2))
+            procs.append(worker)
+        else:
+            worker = Proc(node_argv(dist, 1, 2, *flags), node_env(worker_state, gpus=2))
+            procs.append(worker)
+            worker.wait_for_line(INIT_BEGIN)
+            time.sleep(0.5)  # a few failed dials: nobody listens yet
+            assert worker.popen.poll() is None and INIT_ENDS not in worker.output
+            head = Proc(node_argv(dist, 0, 2, *flags), node_env(head_state, gpus=2))
+            procs.append(head)
+        head.wait_http(port)
+        worker.wait_for_line(INIT_ENDS)
+        lines = head.lines
+        assert lines.index(INIT_BEGIN) < lines.index(INIT_ENDS) < lines.index(SGLANG_READY)
+        info = request(port, "GET", "/server_info").json()
+        assert (info["nnodes"], info["node_rank"], info["tp_size"]) == (2, 0, 4)
+        assert info["dist_init_addr"] == dist
+        # tp 4 over 2 nodes: 2 GPUs each, all that each host has.
+        for state, proc in ((head_state, head), (worker_state, worker)):
+            assert used_by_gpu(state) == {0: int(0.5 * B200_MIB), 1: int(0.5 * B200_MIB)}
+            assert {p for p, _, _ in apps(state)} == {proc.pid}
+        assert SGLANG_READY not in worker.output and worker.popen.poll() is None
+        assert worker.stop() == 0  # SIGTERM: a clean exit, its GPU memory released
+        assert not entry(worker_state, worker).exists()
+        assert "node_rank 1: received SIGTERM, shut down cleanly" in worker.output
+        assert head.wait() == 1  # ...but a rank leaving takes the head down
+        assert NCCL_LOST in head.lines[-1] and "node_rank 1" in head.lines[-1]
+        assert not entry(head_state, head).exists()
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def test_fake_sglang_head_waits_for_a_missing_rank(tmp_path: Path) -> None:
+    port, dist = free_port(), f"127.0.0.1:{free_port()}"
+    flags = ("--port", str(port), "--tp-size", "2")
+    head = Proc(node_argv(dist, 0, 2, *flags), node_env(tmp_path / "head"))
+    worker = None
+    try:
+        head.wait_for_line(INIT_BEGIN)
+        never_healthy(port, 2.0)
+        assert head.popen.poll() is None and head.lines[-1] == INIT_BEGIN
+        assert {p for p, _, _ in apps(tmp_path / "head")} == {head.pid}  # it holds its GPU
+        worker = Proc(node_argv(dist, 1, 2, *flags), node_env(tmp_path / "worker"))
+        head.wait_http(port)
+        head.wait_for_line(SGLANG_READY)
+        assert head.stop() == 0  # SIGTERM: the head shuts down cleanly...
+        assert worker.wait() == 1  # ...and its worker loses it
+        assert NCCL_LOST in worker.output
+    finally:
+        head.stop()
+        if worker is not None:
+            worker.stop()
+
+
+def test_fake_sglang_waiting_ranks_stop_cleanly(tmp_path: Path) -> None:
+    dist = f"127.0.0.1:{free_port()}"
+    flags = ("--port", str(free_port()), "--tp-size", "2")
+    head = Proc(node_argv(dist, 0, 2, *flags), node_env(tmp_path / "head"))
+    worker = Proc(node_argv(f"127.0.0.1:{free_port()}", 1, 2, *flags), node_env(tmp_path / "w"))
+    try:  # the head waits for its worker, the worker (another head's) dials in vain
+        head.wait_for_line(INIT_BEGIN)
+        worker.wait_for_line(INIT_BEGIN)
+        time.sleep(0.3)
+        assert entry(tmp_path / "head", head).exists() and entry(tmp_path / "w", worker).exists()
+        assert head.stop() == 0 and worker.stop(signal.SIGINT) == 0
+    finally:
+        head.stop()
+        worker.stop()
+    assert "node_rank 0: received SIGTERM, shut down cleanly" in head.output
+    assert "node_rank 1: received SIGINT, shut down cleanly" in worker.output
+    assert not entry(tmp_path / "head", head).exists()
+    assert not entry(tmp_path / "w", worker).exists()
+
+
+def test_fake_sglang_worker_killed_after_ready_takes_the_head_down(tmp_path: Path) -> None:
+    port, dist = free_port(), f"127.0.0.1:{free_port()}"
+    flags = ("--port", str(port), "--tp-size", "2")
+    head = Proc(node_argv(dist, 0, 2, *flags), node_env(tmp_path / "head"))
+    worker = Proc(node_argv(dist, 1, 2, *flags), node_env(tmp_path / "worker"))
+    try:
+        head.wait_http(port)
+        worker.wait_for_line(INIT_ENDS)
+        worker.popen.kill()
+        assert worker.wait() == -signal.SIGKILL
+        assert head.wait() == 1
+    finally:
+        worker.stop()
+        head.stop()
+    assert NCCL_LOST in head.lines[-1] and "lost node_rank 1 of nnodes 2" in head.lines[-1]
+    assert not entry(tmp_path / "head", head).exists()
+
+
+def test_fake_sglang_head_killed_takes_the_worker_down(tmp_path: Path) -> None:
+    port, dist = free_port(), f"127.0.0.1:{free_port()}"
+    flags = ("--port", str(port), "--tp-size", "2")
+    worker = Proc(node_argv(dist, 1, 2, *flags), node_env(tmp_path / "worker"))
+    head = Proc(node_argv(dist, 0, 2, *flags), node_env(tmp_path / "head"))
+    try:
+        head.wait_http(port)
+        worker.wait_for_line(INIT_ENDS)
+        head.popen.kill()
+        assert head.wait() == -signal.SIGKILL
+        assert worker.wait() == 1
+    finally:
+        head.stop()
+        worker.stop()
+    assert NCCL_LOST in worker.lines[-1] and f"node_rank 0 (the head at {dist}" in worker.lines[-1]
+    assert not entry(tmp_path / "worker", worker).exists()
+
+
+def test_fake_sglang_multi_node_bad_input(tmp_path: Path) -> None:
+    env = host_env(tmp_path)
+    dist = f"127.0.0.1:{free_port()}"
+    result = run(sglang_argv("--model-path", "M", "--tp-size", "2", "--nnodes", "2"), env)
+    assert result.returncode == 2
+    assert "launch_server.py: error: " in result.stderr and "--dist-init-addr" in result.stderr
+    result = run(node_argv(dist, 2, 2, "--tp-size", "2"), env)
+    assert result.returncode == 2
+    assert "error: argument --node-rank: 2 is out of range for --nnodes 2" in result.stderr
+    result = run(node_argv("127.0.0.1", 1, 2, "--tp-size", "2"), env)
+    assert result.returncode == 2 and "argument --dist-init-addr" in result.stderr
+    result = run(node_argv(dist, 0, 2, "--tp-size", "3"), env)
+    assert result.returncode == 1
+    assert "AssertionError: tp_size must be divisible by number of nodes" in result.stderr
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = run(node_argv(busy, 0, 2, "--tp-size", "2", "--port", str(free_port())), env)
+    assert result.returncode == 1
+    assert "torch.distributed.DistNetworkError: " in result.stderr
+    assert "name: EADDRINUSE, message: address already in use" in result.stderr
+    assert result.stdout.splitlines()[-1] == INIT_BEGIN
+    assert not list((tmp_path / "procs").glob("*.json"))  # nothing left registered
+
+
+def test_fake_sglang_rendezvous_protocol(tmp_path: Path) -> None:
+    """The head admits ranks 1..N-1 once each, answers them all ``ok`` together, then no one."""
+    port, dist = free_port(), f"127.0.0.1:{free_port()}"
+    head = Proc(node_argv(dist, 0, 3, "--port", str(port), "--tp-size", "3"), node_env(tmp_path))
+    socks: list[socket.socket] = []
+    wrong = None
+    try:
+        socks.append(dial(dist, "rank 1 of 3"))
+        for line, why in (
+            ("rank 1 of 3", "duplicate rank 1"),
+            ("rank 3 of 3", "rank 3 is out of range"),
+            ("rank 0 of 3", "rank 0 is out of range"),
+            ("rank 2 of 4", "nnodes mismatch"),
+            ("hello", "expected 'rank R of N'"),
+        ):
+            with dial(dist, line) as sock:
+                text, closed = answer(sock)
+            assert text.startswith("error ") and why in text and closed, (line, text)
+        env = host_env(tmp_path / "wrong")
+        wrong = Proc(node_argv(dist, 1, 4, "--tp-size", "4"), env)  # a worker told --nnodes 4
+        assert wrong.wait() == 1
+        assert "DistNetworkError: rank 1 of 4: the rendezvous at" in wrong.output
+        assert "nnodes mismatch" in wrong.output
+        never_healthy(port, 0.2)
+        socks.append(dial(dist, "rank 2 of 3"))
+        assert [answer(sock) for sock in socks] == [("ok", False), ("ok", False)]
+        head.wait_http(port)
+        with dial(dist, "rank 1 of 3") as late:
+            text, closed = answer(late)
+        assert "rendezvous complete" in text and closed
+        assert head.popen.poll() is None
+        socks.pop().close()  # rank 2 goes away
+        assert head.wait() == 1
+        assert "lost node_rank 2 of nnodes 3" in head.lines[-1]
+    finally:
+        for sock in socks:
+            sock.close()
+        if wrong is not None:
+            wrong.stop()
+        head.stop()

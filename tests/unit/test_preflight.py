@@ -33,7 +33,9 @@ def test_broken_fixture_fails_with_precise_messages(
 def test_repo_examples_pass(capsys: pytest.CaptureFixture[str]) -> None:
     code, output = run_cli(["preflight"], REPO, capsys)
     assert code == 0, output
-    assert "preflight passed: 14 units on 3 host(s) (b200, local, pro6000)" in output
+    assert (
+        "preflight passed: 16 units on 5 host(s) (b200, h100-a, h100-b, local, pro6000)" in output
+    )
 
 
 def test_host_filter_selects_playbooks(capsys: pytest.CaptureFixture[str]) -> None:

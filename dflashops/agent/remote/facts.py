@@ -38,6 +38,7 @@ from .common import (
     which,
 )
 
+NET = "/sys/class/net"
 TYPE_CHECKING = False  # see common.py
 if TYPE_CHECKING:
     from typing import Any, Callable
@@ -365,6 +366,8 @@ def run(request: Json) -> Json:
         "workdir_exists": os.path.isdir(workdir),
     }
     facts["disk"] = section(errors, "disk", None, lambda: tree.free_bytes(workdir))
+    # Network interfaces, for a multi-node unit's net_if (NCCL_SOCKET_IFNAME must name one).
+    facts["interfaces"] = section(errors, "interfaces", [], lambda: sorted(os.listdir(NET)))
     listening = section(errors, "listening", [], procfs.listeners)
     # Whose sockets these are costs a readlink per open fd of every process: only for the ports
     # asked about (what the plan will use) and those the units' records name (orphans).

@@ -42,6 +42,7 @@ ACTIONS = (
     "copy",
     "build",
     "wait",
+    "rendezvous",
 )
 
 

@@ -5,18 +5,59 @@
    ``launch_server.py: error: unrecognized arguments: --tp 2`` on stderr, exit status 2.
 2. The core flags are parsed with the stub engine's parser; other real SGLang flags are accepted
    and ignored. ``--model-path`` is required (exit 2 without it).
-3. GPUs: the replica needs tp_size * dp_size of the visible GPUs (CUDA_VISIBLE_DEVICES as physical
-   indices, else all of $FAKE_GPU_STATE's), starting at --base-gpu-id. Too few: a CUDA-like
-   ``RuntimeError: CUDA error: invalid device ordinal`` and exit status 1. Otherwise it registers
-   mem_fraction_static (default 0.8) x the GPU's memory on each of them for the fake nvidia-smi.
-4. Then it serves the stub engine in-process with SGLang's endpoints, readiness line and
-   /metrics names (sglang:gen_throughput, sglang:num_running_reqs, ...); the DFLASHOPS_STUB_*
-   environment knobs apply.
+3. Multi-node: ``--nnodes N`` (default 1), ``--node-rank R`` (default 0), ``--dist-init-addr
+   HOST:PORT`` (IPv4 host or name; required when N > 1). A missing --dist-init-addr, R outside
+   0 <= R < N or a bad HOST:PORT fail like argparse does (exit status 2). tp_size and dp_size
+   count every node, as in SGLang: each node runs tp_size * dp_size / N GPUs; when that does not
+   divide, an ``AssertionError: tp_size must be divisible by number of nodes`` traceback and
+   exit status 1. /server_info reports ``nnodes``, ``node_rank`` and ``dist_init_addr``.
+4. GPUs: the node needs its tp_size * dp_size / N of the visible GPUs (CUDA_VISIBLE_DEVICES as
+   physical indices, else all of $FAKE_GPU_STATE's), starting at --base-gpu-id. Too few: a
+   CUDA-like ``RuntimeError: CUDA error: invalid device ordinal`` and exit status 1. Otherwise it
+   registers mem_fraction_static (default 0.8) x the GPU's memory on each of them for the fake
+   nvidia-smi (before the rendezvous of 5; removed again at every exit but SIGKILL).
+5. With N > 1 every rank prints SGLang's ``Init torch distributed begin.``, then meets the others
+   over TCP at HOST:PORT (a rendezvous standing in for torch.distributed + NCCL):
+
+   - rank 0, the head, listens on exactly HOST:PORT (taken: torch's ``DistNetworkError: ...
+     address already in use``, exit status 1) and waits, serving no HTTP, until every rank
+     1..N-1 has connected and sent ``rank R of N\\n``. A malformed line, a rank out of range or
+     already in, another N, or any connection once all ranks are in, is answered
+     ``error REASON\\n`` and closed; only refused ranks are logged (on stderr), so a stray caller
+     such as dflashops' own reachability check leaves the log alone. A rank whose connection
+     drops before the others are in may join again. A missing rank leaves the head waiting for
+     ever: its last line stays ``Init torch distributed begin.``.
+   - rank R > 0, a worker, connects to HOST:PORT (retrying every 0.2 s until the head listens),
+     sends ``rank R of N\\n`` and waits for the head's answer. ``error REASON`` or a closed
+     connection: a ``DistNetworkError`` and exit status 1.
+   - once all are in, the head answers ``ok\\n`` to every worker and every rank prints ``Init
+     torch distributed ends.``. The head then goes on to 6; a worker serves no HTTP (nor do
+     SGLang's non-zero ranks) and just holds its connection.
+   - the connections stay open: when one drops (a rank died), the other end prints
+     ``torch.distributed.DistBackendError: NCCL error: remote process exited or there was a
+     network error`` naming the lost rank, and exits with status 1. A head that stops (even
+     cleanly) takes its workers down that way; a worker that dies takes the head down.
+   - SIGTERM/SIGINT end a rank that is waiting or a worker that is holding with exit status 0.
+6. Then (rank 0 only) it serves the stub engine in-process with SGLang's endpoints, readiness
+   line and /metrics names (sglang:gen_throughput, sglang:num_running_reqs, ...); the
+   DFLASHOPS_STUB_* environment knobs apply.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import errno
+import os
+import re
+import select
+import signal
+import socket
 import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
 
 import _fakegpu
 from _fakeengine import cuda_invalid_ordinal, load_flags, load_stub, say, unrecognized
@@ -24,13 +65,319 @@ from _fakeengine import cuda_invalid_ordinal, load_flags, load_stub, say, unreco
 import sglang
 
 PROG = "launch_server.py"
+USAGE = f"{PROG} [-h] --model-path MODEL_PATH [...]"
+INIT_BEGIN = "Init torch distributed begin."
+INIT_ENDS = "Init torch distributed ends."
+RETRY_SECONDS = 0.2  # a worker dials the head this often until it listens
+POLL_SECONDS = 0.2  # how often a waiting rank checks for SIGTERM/SIGINT
+_HELLO = re.compile(r"^rank (\d+) of (\d+)$")
+_MAX_HELLO = 256  # bytes: a longer first line is not a rank's
+
+
+class _Stop:
+    """SIGTERM/SIGINT while a rank waits or holds: remember it, the loops check it."""
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        self.received.append(signal.Signals(signum).name)
+
+    def exit(self, node_rank: int) -> int:
+        say(f"[fake sglang] node_rank {node_rank}: received {self.received[0]}, shut down cleanly")
+        return 0
+
+
+def _node_args(argv: list[str]) -> argparse.Namespace:
+    """--nnodes, --node-rank and --dist-init-addr, checked; argparse-like exit 2 when wrong."""
+    p = argparse.ArgumentParser(prog=PROG, usage=USAGE, add_help=False, allow_abbrev=False)
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--dist-init-addr")
+    args, _others = p.parse_known_args(argv)
+    if args.nnodes < 1:
+        p.error(f"argument --nnodes: must be at least 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        p.error(
+            f"argument --node-rank: {args.node_rank} is out of range for --nnodes "
+            f"{args.nnodes} (0 <= node_rank < nnodes)"
+        )
+    args.dist_host, args.dist_port = None, None
+    if args.nnodes > 1 and not args.dist_init_addr:
+        p.error(
+            f"the following arguments are required with --nnodes {args.nnodes}: --dist-init-addr"
+        )
+    if args.dist_init_addr:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        if not host or ":" in host or not port.isdigit() or not 0 < int(port) < 65536:
+            p.error(
+                f"argument --dist-init-addr: expected IPv4HOST:PORT, got {args.dist_init_addr!r}"
+            )
+        args.dist_host, args.dist_port = host, int(port)
+    return args
+
+
+def _not_divisible(tp_size: int, dp_size: int, nnodes: int) -> int:
+    where = "/sgl-workspace/sglang/python/sglang/srt/server_args.py"
+    say("Traceback (most recent call last):", sys.stderr)
+    say(f'  File "{where}", line 1412, in check_server_args', sys.stderr)
+    say(
+        '    assert self.tp_size % self.nnodes == 0, "tp_size must be divisible by number of nodes"',
+        sys.stderr,
+    )
+    say(
+        f"AssertionError: tp_size must be divisible by number of nodes (tp_size {tp_size} x "
+        f"dp_size {dp_size} GPUs over nnodes {nnodes})",
+        sys.stderr,
+    )
+    return 1
+
+
+def _nccl_error(lost: str) -> None:
+    where = "/sgl-workspace/sglang/python/sglang/srt/managers/scheduler.py"
+    say("Traceback (most recent call last):", sys.stderr)
+    say(f'  File "{where}", line 2650, in run_event_loop', sys.stderr)
+    say("    self.event_loop_overlap()", sys.stderr)
+    say(
+        "torch.distributed.DistBackendError: NCCL error: remote process exited or there was a "
+        f"network error: lost {lost}",
+        sys.stderr,
+    )
+
+
+def _dist_network_error(message: str) -> int:
+    say(f"torch.distributed.DistNetworkError: {message}", sys.stderr)
+    return 1
+
+
+def _hangup(sock: socket.socket) -> bool:
+    """Read what the peer sent (ignored) and tell whether its connection is gone."""
+    try:
+        return not sock.recv(4096)
+    except OSError:
+        return True
+
+
+def _first_line(sock: socket.socket, pending: dict[socket.socket, bytes]) -> str | None:
+    """Read on into ``pending[sock]``: the first line once complete, and sock leaves ``pending``.
+
+    None while the line is incomplete, and when the peer left without one (sock is closed then).
+    """
+    try:
+        data = sock.recv(_MAX_HELLO)
+    except OSError:
+        data = b""
+    buffered = pending[sock] + data
+    if data and b"\n" not in buffered and len(buffered) <= _MAX_HELLO:
+        pending[sock] = buffered
+        return None
+    del pending[sock]
+    if not data and b"\n" not in buffered:
+        sock.close()
+        return None
+    return buffered.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+
+
+def _reject(sock: socket.socket, reason: str) -> None:
+    with contextlib.suppress(OSError):
+        sock.sendall(f"error {reason}\n".encode())
+    sock.close()
+
+
+# --------------------------------------------------------------------------- rank 0
+
+
+def _hello(line: str, nnodes: int, joined: dict[int, socket.socket]) -> tuple[int, str]:
+    """The rank a worker's first line announces, or (-1, why it is refused)."""
+    m = _HELLO.match(line)
+    if not m:
+        return -1, f"expected 'rank R of N', got {line[:80]!r}"
+    rank, n = int(m.group(1)), int(m.group(2))
+    if n != nnodes:
+        return -1, f"nnodes mismatch: the head has --nnodes {nnodes}, rank {rank} says {n}"
+    if not 0 < rank < nnodes:
+        return -1, f"rank {rank} is out of range: workers are ranks 1..{nnodes - 1}"
+    if rank in joined:
+        return -1, f"duplicate rank {rank}: it has already joined"
+    return rank, ""
+
+
+def _rendezvous(
+    listener: socket.socket, nnodes: int, stop: _Stop, pending: dict[socket.socket, bytes]
+) -> dict[int, socket.socket] | None:
+    """Every worker's connection by rank once all of 1..nnodes-1 are in; None on SIGTERM/SIGINT.
+
+    ``pending`` collects the connections whose first line is not complete yet; those left at the
+    end are the watcher's to refuse.
+    """
+    joined: dict[int, socket.socket] = {}
+    while len(joined) < nnodes - 1:
+        if stop.received:
+            for sock in [*pending, *joined.values()]:
+                sock.close()
+            return None
+        watched = [listener, *pending, *joined.values()]
+        for sock in select.select(watched, [], [], POLL_SECONDS)[0]:
+            if sock is listener:
+                with contextlib.suppress(OSError):
+                    pending[listener.accept()[0]] = b""
+            elif sock in pending:
+                line = _first_line(sock, pending)
+                if line is None:
+                    continue
+                rank, why = _hello(line, nnodes, joined)
+                if rank < 0:
+                    if _HELLO.match(line):  # a misconfigured rank; other callers (dflashops'
+                        # own reachability check) are answered but leave the log alone
+                        say(f"[fake sglang] rendezvous: refused a rank: {why}", sys.stderr)
+                    _reject(sock, why)
+                else:
+                    joined[rank] = sock
+            elif _hangup(sock):  # a worker left before the others were in: it may come back
+                rank = next(r for r, s in joined.items() if s is sock)
+                del joined[rank]
+                sock.close()
+    for sock in joined.values():
+        with contextlib.suppress(OSError):
+            sock.sendall(b"ok\n")
+    return joined
+
+
+def _watch(
+    listener: socket.socket,
+    joined: dict[int, socket.socket],
+    pending: dict[socket.socket, bytes],
+    nnodes: int,
+    gpu_entry: Path | None,
+    closing: threading.Event,
+) -> None:
+    """While the head serves: refuse late ranks; a lost worker takes the head down (exit 1)."""
+    ranks = {sock: rank for rank, sock in joined.items()}
+    while not closing.is_set():
+        try:
+            readable = select.select([listener, *pending, *ranks], [], [], 0.5)[0]
+        except (OSError, ValueError):  # closed under us: the head is exiting
+            return
+        for sock in readable:
+            if sock is listener:
+                with contextlib.suppress(OSError):
+                    pending[listener.accept()[0]] = b""
+            elif sock in pending:  # refused once its line is read: no reset, the answer arrives
+                if _first_line(sock, pending) is not None:
+                    _reject(sock, "rendezvous complete: every rank has joined")
+            elif _hangup(sock) and not closing.is_set():
+                _nccl_error(f"node_rank {ranks[sock]} of nnodes {nnodes} (its connection closed)")
+                _fakegpu.unregister(gpu_entry)
+                os._exit(1)  # like NCCL's watchdog: the whole process goes, HTTP server and all
+
+
+def _head(stub: Any, settings: dict[str, Any], args: argparse.Namespace, gpu: Path | None) -> int:
+    stop = _Stop()
+    say(INIT_BEGIN)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((args.dist_host, args.dist_port))
+        listener.listen(64)
+    except OSError as exc:
+        listener.close()
+        code = exc.errno or 0
+        name = errno.errorcode.get(code, type(exc).__name__)
+        message = (exc.strerror or str(exc)).lower()
+        return _dist_network_error(
+            "The server socket has failed to listen on any local network address. "
+            f"host: {args.dist_host}, port: {args.dist_port}, useIpv6: false, "
+            f"code: {-code}, name: {name}, message: {message}"
+        )
+    pending: dict[socket.socket, bytes] = {}
+    joined = _rendezvous(listener, args.nnodes, stop, pending)
+    if joined is None:
+        listener.close()
+        return stop.exit(0)
+    say(INIT_ENDS)
+    closing = threading.Event()
+    watcher = threading.Thread(
+        target=_watch,
+        args=(listener, joined, pending, args.nnodes, gpu, closing),
+        name="fake-nccl-watch",
+        daemon=True,
+    )
+    watcher.start()
+    try:
+        return int(stub.run_server(settings, "sglang"))
+    finally:
+        closing.set()  # the workers see the connections close when this process exits
+
+
+# --------------------------------------------------------------------------- rank > 0
+
+
+def _read_reply(sock: socket.socket, stop: _Stop) -> str | None:
+    """The head's answer line ('' when it closed the connection); None on SIGTERM/SIGINT."""
+    buffered = b""
+    while b"\n" not in buffered:
+        if stop.received:
+            return None
+        if not select.select([sock], [], [], POLL_SECONDS)[0]:
+            continue
+        try:
+            data = sock.recv(_MAX_HELLO)
+        except OSError:
+            data = b""
+        if not data:
+            return ""
+        buffered += data
+    return buffered.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
+
+
+def _worker(args: argparse.Namespace) -> int:
+    stop = _Stop()
+    rank, nnodes, addr = args.node_rank, args.nnodes, args.dist_init_addr
+    say(INIT_BEGIN)
+    sock = None
+    while sock is None:
+        if stop.received:
+            return stop.exit(rank)
+        try:
+            sock = socket.create_connection((args.dist_host, args.dist_port), timeout=2.0)
+        except OSError:
+            time.sleep(RETRY_SECONDS)  # a signal cuts it short only by running its handler
+    try:
+        sock.settimeout(None)
+        with contextlib.suppress(OSError):  # the head hung up: the reply says so
+            sock.sendall(f"rank {rank} of {nnodes}\n".encode())
+        reply = _read_reply(sock, stop)
+        if reply is None:
+            return stop.exit(rank)
+        if not reply.startswith("error ") and reply != "ok":
+            return _dist_network_error(
+                f"rank {rank} of {nnodes}: the head at {addr} closed the connection before "
+                "every rank had joined"
+            )
+        if reply != "ok":
+            return _dist_network_error(
+                f"rank {rank} of {nnodes}: the rendezvous at {addr} refused it: {reply[6:]}"
+            )
+        say(INIT_ENDS)
+        while not stop.received:
+            if select.select([sock], [], [], POLL_SECONDS)[0] and _hangup(sock):
+                _nccl_error(f"node_rank 0 (the head at {addr}; its connection closed)")
+                return 1
+        return stop.exit(rank)
+    finally:
+        sock.close()
+
+
+# --------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     bad = unrecognized(argv, load_flags("sglang-flags.txt"))
     if bad:
-        say(f"usage: {PROG} [-h] --model-path MODEL_PATH [...]", sys.stderr)
+        say(f"usage: {USAGE}", sys.stderr)
         say(f"{PROG}: error: unrecognized arguments: {' '.join(bad)}", sys.stderr)
         return 2
 
@@ -38,11 +385,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = stub.build_parser()
     parser.prog = PROG
     args, _ignored = parser.parse_known_args(argv)
+    node = _node_args(argv)
     settings = vars(args)
+    settings.update(
+        nnodes=node.nnodes, node_rank=node.node_rank, dist_init_addr=node.dist_init_addr
+    )
+    if (args.tp_size * args.dp_size) % node.nnodes:
+        return _not_divisible(args.tp_size, args.dp_size, node.nnodes)
 
     cfg = _fakegpu.load_config()
     visible = _fakegpu.visible_gpus(cfg)
-    need = args.tp_size * args.dp_size
+    need = args.tp_size * args.dp_size // node.nnodes
     gpus = visible[args.base_gpu_id : args.base_gpu_id + need]
     say(
         f"[fake sglang {sglang.__version__}: dflashops test double, CPU only] "
@@ -54,8 +407,12 @@ def main(argv: list[str] | None = None) -> int:
         return cuda_invalid_ordinal("/sgl-workspace/sglang/python/sglang/srt/model_executor.py")
 
     fraction = args.mem_fraction_static if args.mem_fraction_static is not None else 0.8
-    _fakegpu.register(int(fraction * cfg["memory_total_mib"]), gpus)
-    return int(stub.run_server(settings, "sglang"))
+    gpu_entry = _fakegpu.register(int(fraction * cfg["memory_total_mib"]), gpus)
+    if node.nnodes == 1:
+        return int(stub.run_server(settings, "sglang"))
+    if node.node_rank == 0:
+        return _head(stub, settings, node, gpu_entry)
+    return _worker(node)
 
 
 if __name__ == "__main__":

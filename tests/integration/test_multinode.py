@@ -1,0 +1,106 @@
+"""A service over two nodes on real sshd hosts at distinct loopback addresses: SGLang's own
+multi-node launch (the fake SGLang does a real TCP rendezvous: the head is ready only once every
+rank has connected), live pre-flight's rendezvous check, deploy, status, no-op, stop."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+
+from fleet import FleetFactory
+from lifecycle_helpers import MODEL, READY, Ops, http_json, unit_dir
+
+from tests.procs import free_ports
+
+
+def two_node_book(port: int, dist: int, model: str = MODEL) -> dict[str, object]:
+    return {
+        "hosts": ["h0", "h1"],
+        "services": [
+            {
+                "name": "big",
+                "engine": "sglang",
+                "model": model,
+                "nodes": ["h0", "h1"],
+                "tp": 4,
+                "port": port,
+                "dist_port": dist,
+                "ready": READY,
+                "stop_grace": "2s",
+            }
+        ],
+    }
+
+
+def test_a_two_node_sglang_service_deploys_shows_its_ranks_and_stops_on_both_hosts(
+    fleet_factory: FleetFactory, ops: Callable[..., Ops]
+) -> None:
+    fleet = fleet_factory(h0={"gpus": 2}, h1={"gpus": 2})
+    ctl = ops(fleet)
+    port, dist = free_ports(1), free_ports(1)
+    model = fleet["h0"].dir / "models" / "big"  # one path, there on both hosts (one machine)
+    model.mkdir(parents=True)
+    ctl.playbook("big", two_node_book(port, dist, str(model)))
+    head = fleet["h0"].address
+
+    live = ctl.run("preflight", "--live", json_events=False)
+    assert live.code == 0, live.out
+    assert f"h1 reached {head}:{dist}" in live.out or "checks passed" in live.out, live.out
+
+    up = ctl.run("deploy")
+    assert up.code == 0, up.explain()
+    assert up.of("big-0", host="h0", action="ready", status="changed"), up.explain()
+    assert up.of("big-0", host="h1", action="start", status="changed"), up.explain()
+    info = http_json(port, "/server_info")
+    assert (info["tp_size"], info["nnodes"], info["node_rank"]) == (4, 2, 0)
+    worker_log = (unit_dir(fleet["h1"], "big-0") / "logs" / "current.log").read_text()
+    assert f"node 1 of 2 (h0,h1); rendezvous at {head}:{dist}" in worker_log
+    assert "--node-rank 1" in worker_log and "Init torch distributed ends." in worker_log
+
+    status = ctl.run("status", json_events=False)
+    assert status.code == 0, status.out
+    rows = [line for line in status.out.splitlines() if "big-0" in line]
+    assert any("h0" in r and "big-0 [rank 0/2]" in r and "ready" in r for r in rows), status.out
+    assert any("h1" in r and "big-0 [rank 1/2]" in r for r in rows), status.out
+
+    again = ctl.run("deploy")
+    assert again.code == 0, again.explain()
+    assert {e["status"] for e in again.events if e["unit"] == "big-0"} == {"ok"}, again.explain()
+
+    # With the head running, live pre-flight finds the port held by the unit itself: fine.
+    assert ctl.run("preflight", "--live", json_events=False).code == 0
+
+    down = ctl.run("stop")
+    assert down.code == 0, down.explain()
+    for h in ("h0", "h1"):
+        assert down.of("big-0", host=h, action="stop", status="changed"), down.explain()
+
+
+def test_live_preflight_names_the_hosts_and_port_when_the_rendezvous_cannot_happen(
+    fleet_factory: FleetFactory, ops: Callable[..., Ops]
+) -> None:
+    fleet = fleet_factory(h0={"gpus": 2}, h1={"gpus": 2})
+    port, dist = free_ports(1), free_ports(1)
+    head = fleet["h0"].address
+    # A foreign listener holds the dist port on the head's address.
+    squatter = socket.socket()
+    squatter.bind((head, dist))
+    squatter.listen(1)
+    try:
+        ctl = ops(fleet)
+        ctl.playbook("big", two_node_book(port, dist))
+        live = ctl.run("preflight", "--live", json_events=False)
+        assert live.code == 1, live.out
+        assert "FAIL live-rendezvous" in live.out, live.out
+        assert f"[h0] the head of big-0 cannot listen on {head}:{dist}" in live.out, live.out
+        assert "where the ranks on h1 dial it" in live.out and f"port {dist} is taken" in live.out
+    finally:
+        squatter.close()
+
+    # An internal_address that is not the head's: named, with the likely cause.
+    ctl = ops(fleet, hosts={"h0": {"internal_address": "192.0.2.10"}, "h1": {"net_if": "nope0"}})
+    ctl.playbook("big", two_node_book(port, dist))
+    live = ctl.run("preflight", "--live", json_events=False)
+    assert live.code == 1, live.out
+    assert "cannot listen on 192.0.2.10" in live.out and "internal_address" in live.out, live.out
+    assert "[h1] net_if nope0 (for big-0) is not an interface of the host" in live.out, live.out

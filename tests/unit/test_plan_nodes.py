@@ -1,0 +1,156 @@
+"""Services over several nodes: parts per host with ranks, the GPU split, the head's
+rendezvous, and every way the `nodes` list can be wrong (said once, with where and why)."""
+
+from __future__ import annotations
+
+from dflashops.config.load import load_inventory, load_playbook
+from dflashops.engines import launch_for
+from dflashops.plan import Plan, build_plan
+from dflashops.render import make_environment, render_unit
+from tests.conftest import WriteTree
+
+INVENTORY = """
+hosts:
+  a: {address: 203.0.113.10, internal_address: 10.0.0.10, net_if: ens1, gpus: 8}
+  b: {address: 203.0.113.11, net_if: ib0, gpus: 8}
+  c: {address: 203.0.113.12, gpus: 4}
+groups:
+  pair: [a, b]
+  all: [a, b, c]
+"""
+
+
+def plan_of(
+    write_tree: WriteTree, service: str, hosts: str = "all", only: list[str] | None = None
+) -> Plan:
+    root = write_tree(
+        {
+            "inventory.yaml": INVENTORY,
+            "playbooks/p.yaml": f"name: p\nhosts: {hosts}\nservices:\n  - {service}\n",
+        }
+    )
+    return build_plan(
+        load_inventory(root / "inventory.yaml"),
+        [load_playbook(root / "playbooks" / "p.yaml")],
+        only,
+    )
+
+
+def messages(plan: Plan) -> list[str]:
+    return [str(p) for p in plan.problems]
+
+
+def test_a_part_per_node_with_its_rank_gpu_share_and_the_heads_rendezvous(
+    write_tree: WriteTree,
+) -> None:
+    plan = plan_of(
+        write_tree,
+        "{name: dsv3, engine: sglang, model: /m, nodes: [a, b], tp: 16, port: 30000, dist_port: 50000}",
+    )
+    assert messages(plan) == []
+    a, b = plan.hosts["a"].units, plan.hosts["b"].units
+    assert plan.hosts["c"].units == []  # targeted, but not one of the nodes
+    assert [(u.name, u.rank, u.gpus, u.port) for u in (*a, *b)] == [
+        ("dsv3-0", 0, tuple(range(8)), 30000),
+        ("dsv3-0", 1, tuple(range(8)), None),  # a worker rank serves no HTTP
+    ]
+    assert {u.head for u in (*a, *b)} == {"10.0.0.10"}  # the head's internal_address
+    env = make_environment([])
+    for u, rank, nic in ((a[0], "0", "ens1"), (b[0], "1", "ib0")):
+        launch = launch_for(u)
+        assert launch.engine_args[-6:] == [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--dist-init-addr",
+            "10.0.0.10:50000",
+        ]
+        script = render_unit(env, u).script
+        assert f"export NCCL_SOCKET_IFNAME={nic}" in script
+        assert f"export GLOO_SOCKET_IFNAME={nic}" in script
+        assert "--tp-size 16" in script
+    assert "--port" not in launch_for(b[0]).engine_args
+
+
+def test_a_group_names_the_nodes_and_a_node_without_internal_address_is_dialled_at_address(
+    write_tree: WriteTree,
+) -> None:
+    plan = plan_of(write_tree, "{name: s, engine: sglang, model: /m, nodes: [b, a], tp: 4, dp: 2}")
+    assert messages(plan) == []
+    (head,) = plan.hosts["b"].units
+    assert head.rank == 0 and head.head == "203.0.113.11" and head.dist_port == 29500
+    assert len(head.gpus) == 4  # tp*dp 8 over 2 nodes
+    grouped = plan_of(write_tree, "{name: s, engine: sglang, model: /m, nodes: [pair], tp: 2}")
+    assert messages(grouped) == [] and [u.rank for u in grouped.hosts["b"].units] == [1]
+
+
+def test_wrong_nodes_are_said_once_with_the_field(write_tree: WriteTree) -> None:
+    cases = {
+        "nodes: [a, nope], tp: 2": "unknown host or group 'nope' in nodes",
+        "nodes: [a, pair], tp: 2": "host a is named twice in nodes",
+        "nodes: [a, b, c], tp: 16": "tp 16 x dp 1 = 16 GPUs do not split evenly over 3 nodes",
+        # per node: each host says it is short
+        "nodes: [a, b], tp: 32": "needs 16 GPUs (tp 32 x dp 1 over 2 nodes x 1 replica(s)) but host a",
+    }
+    for fields, expected in cases.items():
+        plan = plan_of(write_tree, f"{{name: s, engine: sglang, model: /m, {fields}}}")
+        found = [m for m in messages(plan) if expected in m]
+        assert len(found) == 1, (fields, messages(plan))
+        assert "playbooks/p.yaml" in found[0] and "service s" in found[0]
+    outside = plan_of(
+        write_tree, "{name: s, engine: sglang, model: /m, nodes: [a, c], tp: 2}", hosts="pair"
+    )
+    assert any("nodes c are not hosts this playbook targets" in m for m in messages(outside))
+
+
+def test_selecting_one_node_of_a_unit_is_refused(write_tree: WriteTree) -> None:
+    plan = plan_of(
+        write_tree, "{name: s, engine: sglang, model: /m, nodes: [a, b], tp: 2}", only=["a"]
+    )
+    assert any(
+        "spans a, b, but b are not selected: select every node of it" in m for m in messages(plan)
+    ), messages(plan)
+
+
+def test_the_rendezvous_port_is_the_heads_own(write_tree: WriteTree) -> None:
+    root = write_tree(
+        {
+            "inventory.yaml": INVENTORY,
+            "playbooks/p.yaml": (
+                "name: p\nhosts: pair\nservices:\n"
+                "  - {name: s, engine: sglang, model: /m, nodes: [a, b], tp: 2, dist_port: 31000}\n"
+                "  - {name: t, engine: sglang, model: /m, port: 31000, gpus: [7]}\n"
+            ),
+        }
+    )
+    plan = build_plan(
+        load_inventory(root / "inventory.yaml"), [load_playbook(root / "playbooks" / "p.yaml")]
+    )
+    assert any(
+        "rendezvous port 31000 is also used by" in m or "port 31000 is also used by" in m
+        for m in messages(plan)
+    ), messages(plan)
+
+
+def test_replicas_over_nodes_and_a_bad_interface_name_are_config_errors(
+    write_tree: WriteTree,
+) -> None:
+    import pytest
+
+    from dflashops.errors import ConfigError
+
+    root = write_tree(
+        {
+            "inventory.yaml": INVENTORY,
+            "playbooks/p.yaml": (
+                "name: p\nhosts: pair\nservices:\n"
+                "  - {name: s, engine: sglang, model: /m, nodes: [a, b], replicas: 2}\n"
+            ),
+            "bad/inventory.yaml": "hosts:\n  a: {address: 10.0.0.1, net_if: 'eth 0'}\n",
+        }
+    )
+    with pytest.raises(ConfigError, match="one replica"):
+        load_playbook(root / "playbooks" / "p.yaml")
+    with pytest.raises(ConfigError, match="not a network interface name"):
+        load_inventory(root / "bad" / "inventory.yaml")
