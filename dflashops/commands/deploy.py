@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.console import Console
 
-from dflashops.commands.common import each_host, prepare
+from dflashops.commands.common import Target, each_host, prepare
 from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
@@ -35,9 +35,57 @@ def deploy(
             "--prune needs every playbook in playbooks/ to load and plan (see the warning above): "
             "without them a running unit of theirs would look like an orphan; nothing was done"
         )
+    if not check:
+        rendezvous_first(out, target, force)
     events = EventLog(out, json_path)
     opts = Options(check=check, diff=diff, force=force, rerun=rerun, prune=prune)
     return each_host(out, target, events, forks, lambda run: run.deploy(), opts)
+
+
+def rendezvous_first(out: Console, target: Target, force: bool) -> None:
+    """Before anything starts: every worker of a multi-node unit reaches its head's rendezvous
+    (the head listens for the check). A rank that cannot would hang the head at NCCL init
+    until its ready timeout; this says which hosts, address and port, in seconds."""
+    from dflashops.agent import Agent
+    from dflashops.errors import HostError
+    from dflashops.hosts import connect
+    from dflashops.output import escape
+    from dflashops.preflight.live import rendezvous
+
+    heads = [
+        r.unit
+        for rs in target.rendered.values()
+        for r in rs
+        if r.unit.multi_node and r.unit.rank == 0
+    ]
+    failed = []
+    for head in heads:
+        hosts = {n: target.peers[n] for n in head.nodes}
+        try:
+            conn = connect(head.host)
+            try:
+                facts = Agent(conn, head.host.python).facts(
+                    head.host.workdir, ports=[head.dist_port or 0]
+                )
+            finally:
+                conn.close()
+            found = rendezvous(head, hosts, facts)
+        except HostError as exc:  # deploy itself reports an unreachable host
+            out.print(f"[yellow]WARN[/] rendezvous of {head.name} not checked: {escape(str(exc))}")
+            continue
+        if not found.ok:
+            failed.append(found)
+    if not failed:
+        return
+    label = "[yellow]WARN[/]" if force else "[red]FAIL[/]"
+    for c in failed:
+        out.print(f"{label} {c.check}: {escape(c.message)}")
+    if not force:
+        names = ", ".join(c.subject.split("@")[0] for c in failed)
+        raise DflashopsError(
+            f"the ranks of {names} cannot reach their head: nothing was started "
+            "(`--force` deploys anyway)"
+        )
 
 
 def restart_servers(

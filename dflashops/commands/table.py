@@ -104,7 +104,9 @@ COMMANDS: tuple[Command, ...] = (
             flag("check", "plan only: change nothing"),
             flag("diff", "show unified diffs of launch scripts that would change"),
             flag(
-                "force", "start even where GPUs hold memory of processes not started by dflashops"
+                "force",
+                "start even where GPUs hold memory of processes not started by dflashops, "
+                "or where a multi-node unit's ranks cannot reach its head",
             ),
             flag("rerun", "run jobs again that finished with exit 0"),
             flag("prune", "stop orphans (units no playbook defines) and move their folders aside"),

@@ -353,28 +353,32 @@ def multi_node_checks(plan: Plan, facts: dict[str, HostFacts]) -> list[Check]:
                 )
             )
         if all(n in facts for n in head.nodes):
-            checks.append(_rendezvous(head, plan, facts))
+            hosts = {n: plan.hosts[n].host for n in head.nodes}
+            checks.append(rendezvous(head, hosts, facts[head.host.name]))
     return checks
 
 
-def _rendezvous(head: Unit, plan: Plan, facts: dict[str, HostFacts]) -> Check:
+def rendezvous(head: Unit, hosts: dict[str, Host], head_facts: HostFacts) -> Check:
+    """The head of ``head``'s unit listens on its rendezvous, every other node dials it.
+    ``head_facts`` (with the port's listener) tell a port held by the unit itself from a
+    port someone else holds."""
     assert head.head is not None and head.dist_port is not None
     where = f"{head.head}:{head.dist_port}"
     subject = f"{head.host.name}/{head.name}@{where}"
-    mine = facts[head.host.name].unit(head.name)
+    mine = head_facts.unit(head.name)
     workers = [n for n in head.nodes if n != head.host.name]
-    conns = {n: connect(plan.hosts[n].host) for n in head.nodes}
+    conns = {n: connect(hosts[n]) for n in head.nodes}
     try:
-        agents = {n: Agent(c, plan.hosts[n].host.python) for n, c in conns.items()}
+        agents = {n: Agent(c, hosts[n].python) for n, c in conns.items()}
         with agents[head.host.name].listening(
-            plan.hosts[head.host.name].host.workdir, head.head, head.dist_port, len(workers), 10.0
+            hosts[head.host.name].workdir, head.head, head.dist_port, len(workers), 10.0
         ) as (first, finish):
             if not first.listening:
                 if first.held and mine is not None and mine.process.alive and mine.process.ours:
                     return Check(
                         "live-rendezvous", subject, True, f"held by the running {head.name}"
                     )
-                holder = facts[head.host.name].listener(head.dist_port)
+                holder = head_facts.listener(head.dist_port)
                 pids = (
                     f" (pids {', '.join(map(str, holder.pids))})" if holder and holder.pids else ""
                 )
@@ -392,9 +396,9 @@ def _rendezvous(head: Unit, plan: Plan, facts: dict[str, HostFacts]) -> Check:
                     f"where the ranks on {', '.join(workers)} dial it: {first.error}; {cause}",
                 )
             dialled = on_hosts(
-                [plan.hosts[n].host for n in workers],
+                [hosts[n] for n in workers],
                 lambda h: agents[h.name].dial(
-                    plan.hosts[h.name].host.workdir,
+                    h.workdir,
                     head.head or "",
                     head.dist_port or 0,
                     h.name,

@@ -94,6 +94,12 @@ def test_live_preflight_names_the_hosts_and_port_when_the_rendezvous_cannot_happ
         assert "FAIL live-rendezvous" in live.out, live.out
         assert f"[h0] the head of big-0 cannot listen on {head}:{dist}" in live.out, live.out
         assert "where the ranks on h1 dial it" in live.out and f"port {dist} is taken" in live.out
+        # Deploy checks the same first, and starts nothing: no rank waits for a head that
+        # cannot be.
+        refused = ctl.run("deploy")
+        assert refused.code == 1, refused.explain()
+        assert "cannot reach their head: nothing was started" in refused.out, refused.out
+        assert not (unit_dir(fleet["h1"], "big-0") / "pid").exists()
     finally:
         squatter.close()
 
