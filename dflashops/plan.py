@@ -242,7 +242,8 @@ def _plan_host(
         for b, (book, spec) in enumerate(entries):
             for i, job in enumerate(spec.jobs):
                 if isinstance(job.gpus, list) == explicit:
-                    made.append(((b, 1, i), [_job_unit(host, book, job, i, allocator)]))
+                    parts = _job_units(host, book, job, i, allocator, problems, inventory, planned)
+                    made.append(((b, 1, i), parts))
     units = [u for _, group in sorted(made, key=lambda m: m[0]) for u in group]
     problems.extend(_check_names(units))
     problems.extend(_check_ports(units))
@@ -285,19 +286,41 @@ def _locator(book: Playbook, path: PathKey, prefix: str) -> Where:
     return lambda message: book.doc.problem(path, prefix + message)
 
 
-def _job_unit(host: Host, book: Playbook, job: Job, index: int, allocator: _GpuAllocator) -> Unit:
+def _job_units(
+    host: Host,
+    book: Playbook,
+    job: Job,
+    index: int,
+    allocator: _GpuAllocator,
+    problems: list[Problem],
+    inventory: Inventory,
+    planned: set[str],
+) -> list[Unit]:
+    """The job on this host: one unit, or this node's part of a job over several nodes."""
+    nodes: list[str] = []
+    if job.nodes is not None:
+        found = _nodes(inventory, book, job, ("jobs", index), planned, problems)
+        if found is None or host.name not in found:
+            return []
+        nodes = found
     where = _locator(book, ("jobs", index, "gpus"), f"job {job.name}: ")
-    return Unit(
-        name=job.name,
-        host=host,
-        kind="job",
-        engine="job",
-        playbook=book,
-        spec=job,
-        source=("jobs", index),
-        service=job.name,
-        gpus=allocator.take_job(job, where),
-    )
+    return [
+        Unit(
+            name=job.name,
+            host=host,
+            kind="job",
+            engine="job",
+            playbook=book,
+            spec=job,
+            source=("jobs", index),
+            service=job.name,
+            gpus=allocator.take_job(job, where),
+            nodes=tuple(nodes),
+            rank=nodes.index(host.name) if nodes else None,
+            head=inventory.hosts[nodes[0]].dial_address if nodes else None,
+            dist_port=job.dist_port if nodes else None,
+        )
+    ]
 
 
 class _GpuAllocator:
@@ -356,17 +379,19 @@ class _GpuAllocator:
 def _nodes(
     inventory: Inventory,
     book: Playbook,
-    svc: SglangService,
+    spec: SglangService | Job,
     source: PathKey,
     planned: set[str],
     problems: list[Problem],
 ) -> list[str] | None:
-    """The hosts a multi-node service spans, in rank order; None (with problems) if unusable."""
-    assert svc.nodes is not None
-    where = _locator(book, (*source, "nodes"), f"service {svc.name}: ")
+    """The hosts a multi-node service or job spans, in rank order; None (with problems) if
+    unusable."""
+    assert spec.nodes is not None
+    kind = "job" if isinstance(spec, Job) else "service"
+    where = _locator(book, (*source, "nodes"), f"{kind} {spec.name}: ")
     seen: list[str] = []
     ok = True
-    for name in svc.nodes:
+    for name in spec.nodes:
         try:
             members = inventory.expand([name])
         except KeyError:
@@ -403,12 +428,11 @@ def _nodes(
             )
         )
         return None
-    total = svc.tp * svc.dp
-    if total % len(seen):
+    if isinstance(spec, SglangService) and (spec.tp * spec.dp) % len(seen):
         problems.append(
-            _locator(book, (*source, "tp"), f"service {svc.name}: ")(
-                f"tp {svc.tp} x dp {svc.dp} = {total} GPUs do not split evenly over "
-                f"{len(seen)} nodes"
+            _locator(book, (*source, "tp"), f"service {spec.name}: ")(
+                f"tp {spec.tp} x dp {spec.dp} = {spec.tp * spec.dp} GPUs do not split evenly "
+                f"over {len(seen)} nodes"
             )
         )
         return None

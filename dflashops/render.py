@@ -26,7 +26,15 @@ from jinja2 import (
 
 from dflashops import __version__
 from dflashops.engines import launch_for
-from dflashops.engines.base import EnvPython, HostPath, Launch, ShippedFile, Token, WorkPath
+from dflashops.engines.base import (
+    BesideTool,
+    EnvPython,
+    HostPath,
+    Launch,
+    ShippedFile,
+    Token,
+    WorkPath,
+)
 from dflashops.errors import Problem
 from dflashops.hosts.connection import host_word
 from dflashops.plan import Plan, Unit
@@ -62,6 +70,12 @@ def quote(value: Any) -> Quoted:
     if isinstance(value, EnvPython):
         # _unit.sh.j2 resolves the environment's link into VIRTUAL_ENV before anything runs.
         return Quoted('"${VIRTUAL_ENV:?the unit environment is not set}"/bin/python')
+    if isinstance(value, BesideTool):
+        # The tool beside the python the unit runs with (command -v finds a bare `python3` on
+        # PATH first), else the one on PATH: decided on the host, when the script runs.
+        name = shlex.quote(value.name)
+        here = f'"$(dirname -- "$(command -v {quote(value.python)})")"/{name}'
+        return Quoted(f'"$(t={here}; if [ -x "$t" ]; then echo "$t"; else echo {name}; fi)"')
     if value is None:
         return Quoted("''")
     if isinstance(value, (list, tuple)):

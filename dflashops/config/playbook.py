@@ -302,9 +302,35 @@ class Job(UnitBase):
     gpus: Annotated[
         Annotated[int, Field(ge=0, le=64)] | GpuList,
         Field(
-            description="A count (allocated after the host's services) or an explicit list of indices."
+            description="A count (allocated after the host's services) or an explicit list of "
+            "indices; per node for a job over several nodes."
         ),
     ] = 0
+    launcher: Annotated[
+        Literal["torchrun"] | None,
+        Field(
+            description="torchrun: the script runs under torchrun (--nnodes, --node-rank, "
+            "--master-addr, --master-port, --nproc-per-node), the torchrun beside the unit's "
+            "python, else on the host's PATH."
+        ),
+    ] = None
+    nodes: Annotated[
+        list[Name] | None,
+        Field(
+            min_length=1,
+            description="Hosts (or groups) the job spans, in rank order (the first is the "
+            "master); needs `launcher: torchrun`.",
+        ),
+    ] = None
+    nproc_per_node: Annotated[
+        int | None,
+        Field(
+            ge=1, le=64, description="Processes per node (default: the job's GPUs on it, else 1)."
+        ),
+    ] = None
+    dist_port: Annotated[
+        Port, Field(description="torchrun's --master-port, on the first node.")
+    ] = 29500
 
     _args = field_validator("args")(_check_args)
 
@@ -312,6 +338,13 @@ class Job(UnitBase):
     def _script_or_command(self) -> Job:
         if (self.script is None) == (self.command is None):
             raise ValueError("a job needs exactly one of `script` or `command`")
+        if self.nodes is not None and self.launcher is None:
+            raise ValueError("a job over several nodes needs `launcher: torchrun`")
+        if self.launcher == "torchrun" and (
+            self.script is None
+            or not (self.script.endswith(".py") or self.script.startswith("dflashops:"))
+        ):
+            raise ValueError("`launcher: torchrun` runs a Python `script` (a .py file)")
         return self
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from dflashops.config.playbook import CommandService, Job, ModelService, VllmService
 from dflashops.engines.base import (
     HOST_PREFIX,
+    BesideTool,
     EnvPython,
     HostPath,
     Launch,
@@ -134,8 +135,29 @@ def _job(unit: Unit, job: Job, python: Token) -> Launch:
             else (["bash", script] if suffix == ".sh" else [script])
         )
     servers: list[Token] = ["--servers", *unit.servers] if unit.servers else []
+    if job.launcher == "torchrun":
+        assert isinstance(python, (HostPath, EnvPython))
+        head = [BesideTool(python, "torchrun"), *_torchrun(unit, job), *head[1:]]
+        launch.env = _node_env(unit)
     launch.argv = [*head, *to_flags(job.args), *servers]
     return launch
+
+
+def _torchrun(unit: Unit, job: Job) -> list[str]:
+    """torchrun's own rendezvous: every node dials the first node's master port."""
+    per_node = job.nproc_per_node or max(1, len(unit.gpus))
+    return [
+        "--nnodes",
+        str(max(1, len(unit.nodes))),
+        "--node-rank",
+        str(unit.rank or 0),
+        "--master-addr",
+        unit.head or "127.0.0.1",
+        "--master-port",
+        str(job.dist_port),
+        "--nproc-per-node",
+        str(per_node),
+    ]
 
 
 def _ship(unit: Unit, ref: str, launch: Launch, field_path: tuple[str, ...]) -> Token:

@@ -59,7 +59,16 @@ class EnvPython:
     path: str
 
 
-Token = str | WorkPath | HostPath | EnvPython
+@dataclass(frozen=True)
+class BesideTool:
+    """An executable of the unit's Python installation (torchrun, ray): the one beside its
+    python (an environment's bin/), else the host's PATH's. Resolved when the script runs."""
+
+    python: HostPath | EnvPython
+    name: str
+
+
+Token = str | WorkPath | HostPath | EnvPython | BesideTool
 
 
 @dataclass

@@ -4,13 +4,14 @@ rank has connected), live pre-flight's rendezvous check, deploy, status, no-op, 
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Callable
 
 from fleet import FleetFactory
 from lifecycle_helpers import MODEL, READY, Ops, http_json, unit_dir
 
-from tests.procs import free_ports
+from tests.procs import free_ports, wait_for
 
 
 def two_node_book(port: int, dist: int, model: str = MODEL) -> dict[str, object]:
@@ -110,3 +111,55 @@ def test_live_preflight_names_the_hosts_and_port_when_the_rendezvous_cannot_happ
     assert live.code == 1, live.out
     assert "cannot listen on 192.0.2.10" in live.out and "internal_address" in live.out, live.out
     assert "[h1] net_if nope0 (for big-0) is not an interface of the host" in live.out, live.out
+
+
+def test_a_torchrun_job_over_two_nodes_runs_every_rank_once_and_is_done_on_both(
+    fleet_factory: FleetFactory, ops: Callable[..., Ops]
+) -> None:
+    fleet = fleet_factory(h0={"gpus": 2}, h1={"gpus": 2})
+    ctl = ops(fleet)
+    out = fleet["h0"].dir / "ranks"  # one folder both hosts see (one machine)
+    out.mkdir()
+    (ctl.base / "playbooks" / "train.py").write_text(
+        "import json, os, sys\n"
+        "keys = ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'GROUP_RANK', 'MASTER_ADDR', 'MASTER_PORT')\n"
+        "info = {k: os.environ[k] for k in keys}\n"
+        "with open(os.path.join(sys.argv[2], 'rank-%s.json' % info['RANK']), 'w') as f:\n"
+        "    json.dump(info, f)\n"
+    )
+    dist = free_ports(1)
+    ctl.playbook(
+        "train",
+        {
+            "hosts": ["h0", "h1"],
+            "jobs": [
+                {
+                    "name": "train",
+                    "script": "train.py",
+                    "launcher": "torchrun",
+                    "nodes": ["h0", "h1"],
+                    "gpus": 2,
+                    "dist_port": dist,
+                    "args": {"out": str(out)},
+                    "stop_grace": "2s",
+                }
+            ],
+        },
+    )
+    res = ctl.run("deploy")
+    assert res.code == 0, res.explain()
+    for h in ("h0", "h1"):
+        wait_for(
+            f"train done on {h}",
+            lambda h=h: (unit_dir(fleet[h], "train") / "exit").exists(),
+            timeout=60,
+        )
+        assert json.loads((unit_dir(fleet[h], "train") / "exit").read_text())["code"] == 0
+    ranks = {p.name: json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))}
+    assert sorted(ranks) == [f"rank-{i}.json" for i in range(4)]
+    assert {r["WORLD_SIZE"] for r in ranks.values()} == {"4"}
+    assert {r["MASTER_ADDR"] for r in ranks.values()} == {fleet["h0"].address}
+    assert {r["GROUP_RANK"] for r in ranks.values()} == {"0", "1"}
+    again = ctl.run("deploy")
+    assert again.code == 0, again.explain()
+    assert {e["status"] for e in again.events if e["unit"] == "train"} == {"ok"}, again.explain()

@@ -636,3 +636,203 @@ def test_fake_sglang_rendezvous_protocol(tmp_path: Path) -> None:
         if wrong is not None:
             wrong.stop()
         head.stop()
+
+
+# ----------------------------------------------------------------------------- fake torchrun
+
+
+TORCHRUN = harness.FAKES / "bin" / "torchrun"
+CHILD_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
+RANK_SCRIPT = """\
+import json, os, sys, time
+out, plan = sys.argv[1], json.loads(sys.argv[2])
+rank = os.environ["RANK"]
+info = {
+    "rank": int(rank),
+    "local_rank": int(os.environ["LOCAL_RANK"]),
+    "world_size": int(os.environ["WORLD_SIZE"]),
+    "group_rank": int(os.environ["GROUP_RANK"]),
+    "master": os.environ["MASTER_ADDR"] + ":" + os.environ["MASTER_PORT"],
+    "argv": sys.argv[1:],
+    "python": sys.executable,
+    "pid": os.getpid(),
+}
+with open(os.path.join(out, "rank-%s.json.tmp" % rank), "w") as f:
+    json.dump(info, f)
+os.replace(os.path.join(out, "rank-%s.json.tmp" % rank), os.path.join(out, "rank-%s.json" % rank))
+while len([n for n in os.listdir(out) if n.endswith(".json")]) < plan.get("wait_for", 0):
+    time.sleep(0.01)  # until every rank has started
+time.sleep(plan.get("sleep", {}).get(rank, 0))
+sys.exit(plan.get("exit", {}).get(rank, 0))
+"""
+
+
+def rank_script(tmp_path: Path) -> tuple[Path, Path]:
+    """The worker script and OUT: it writes OUT/rank-<RANK>.json, then does as its plan says."""
+    script, out = tmp_path / "ranks.py", tmp_path / "out"
+    script.write_text(RANK_SCRIPT)
+    out.mkdir()
+    return script, out
+
+
+def torchrun_argv(script: Path, out: Path, *opts: str, plan: object = None) -> list[str]:
+    return [HOST_PYTHON, str(TORCHRUN), *opts, str(script), str(out), json.dumps(plan or {})]
+
+
+def node_opts(rank: int, port: int, nproc: int, nnodes: int = 2) -> tuple[str, ...]:
+    return (
+        "--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+        "--master-port", str(port), "--nproc-per-node", str(nproc),
+    )  # fmt: skip
+
+
+def ranks_written(out: Path) -> dict[int, dict]:
+    return {int(p.stem[5:]): json.loads(p.read_text()) for p in out.glob("rank-*.json")}
+
+
+def alive(pid: int, script: Path) -> bool:
+    """Whether ``pid`` is still one of our workers (its command line names ``script``)."""
+    try:
+        return str(script) in Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return False
+
+
+def end_workers(out: Path, script: Path) -> list[int]:
+    """SIGKILL any worker a torchrun left behind (none should be); their pids."""
+    left = [r["pid"] for r in ranks_written(out).values() if alive(r["pid"], script)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+@pytest.mark.parametrize("slow", ["head", "other"], ids=["head-finishes-last", "other-last"])
+def test_fake_torchrun_two_nodes_meet_and_both_finish(tmp_path: Path, slow: str) -> None:
+    script, out = rank_script(tmp_path)
+    port = free_port()
+    plan = {"sleep": {"0" if slow == "head" else "3": 0.6}}  # one node finishes 0.6 s later
+    extra = ("--nnodes", "9", "--", "-x")  # the script's, not torchrun's
+    other = Proc(
+        [*torchrun_argv(script, out, *node_opts(1, port, 2), plan=plan), *extra], host_env()
+    )
+    head = None
+    try:
+        other.wait_for_line("node_rank 1 of 2: rendezvous at 127.0.0.1:")
+        time.sleep(0.5)  # it dials in vain: nobody listens yet
+        assert other.popen.poll() is None and not list(out.iterdir())
+        head = Proc(
+            [*torchrun_argv(script, out, *node_opts(0, port, 2), plan=plan), *extra], host_env()
+        )
+        assert head.wait() == 0, head.output
+        assert other.wait() == 0, other.output
+    finally:
+        other.stop()
+        if head is not None:
+            head.stop()
+        assert end_workers(out, script) == []
+    ranks = ranks_written(out)
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, info in ranks.items():
+        assert (info["local_rank"], info["group_rank"]) == (rank % 2, rank // 2)
+        assert (info["world_size"], info["master"]) == (4, f"127.0.0.1:{port}")
+        assert info["argv"] == [str(out), json.dumps(plan), *extra]
+        assert info["python"] == HOST_PYTHON  # the interpreter that runs torchrun
+    assert "node_rank 1 of 2: all 2 nodes in" in other.output
+    assert "node_rank 0 of 2: node_rank 1 finished" in head.output
+    assert head.lines[-1] == "[fake torchrun] node_rank 0 of 2: every node finished"
+    assert NCCL_LOST not in head.output + other.output
+
+
+def test_fake_torchrun_one_node_opens_no_socket(tmp_path: Path) -> None:
+    script, out = rank_script(tmp_path)
+    with socket.socket() as taken:  # the master port is busy: a single node never listens
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        opts = ("--master_port", str(port), "--nproc_per_node=3")
+        result = run(torchrun_argv(script, out, *opts), host_env())
+    assert result.returncode == 0, result.stderr
+    ranks = ranks_written(out)
+    assert sorted(ranks) == [0, 1, 2]
+    assert {(r["world_size"], r["group_rank"], r["master"]) for r in ranks.values()} == {
+        (3, 0, f"127.0.0.1:{port}")
+    }
+    assert "rendezvous" not in result.stderr
+    assert result.stderr.splitlines()[-1].endswith("node_rank 0 of 1: workers finished (exit 0)")
+
+
+@pytest.mark.parametrize("nproc", [2, 1], ids=["fails-on-the-head", "fails-on-node-1"])
+def test_fake_torchrun_failing_worker_ends_both_nodes(tmp_path: Path, nproc: int) -> None:
+    script, out = rank_script(tmp_path)
+    port = free_port()
+    sleep = {str(r): 30 for r in range(2 * nproc) if r != 1}
+    plan = {"exit": {"1": 3}, "sleep": sleep, "wait_for": 2 * nproc}
+    procs = [
+        Proc(torchrun_argv(script, out, *node_opts(r, port, nproc), plan=plan), host_env())
+        for r in (0, 1)
+    ]
+    failing, other = procs if nproc == 2 else procs[::-1]  # rank 1 is node 1's when nproc is 1
+    try:
+        assert failing.wait() == 1, failing.output
+        assert other.wait() == 1, other.output  # it does not hang on
+    finally:
+        for proc in procs:
+            proc.stop()
+        assert end_workers(out, script) == []
+    assert sorted(ranks_written(out)) == list(range(2 * nproc))
+    text = failing.output
+    assert f"failed (exitcode: 3) local_rank: {1 % nproc} (pid: " in text
+    assert CHILD_FAILED in text and f"{script} FAILED" in text
+    assert f"  rank      : 1 (local_rank: {1 % nproc})" in text
+    assert re.search(r"^  exitcode  : 3 \(pid: \d+\)$", text, re.M)
+    assert failing.lines[-1] == "=" * 60
+    lost = "lost node_rank 0 (the head at" if nproc == 2 else "lost node_rank 1 of nnodes 2"
+    assert NCCL_LOST in other.lines[-1] and lost in other.lines[-1], other.output
+    assert "closing signal SIGTERM" in other.output  # its sleeping workers were ended
+
+
+def test_fake_torchrun_head_waits_for_a_missing_node(tmp_path: Path) -> None:
+    script, out = rank_script(tmp_path)
+    head = Proc(torchrun_argv(script, out, *node_opts(0, free_port(), 2)), host_env())
+    try:
+        head.wait_for_line("node_rank 0 of 2: rendezvous at")
+        time.sleep(1.5)
+        assert head.popen.poll() is None and not list(out.iterdir())
+        assert head.stop() == 128 + signal.SIGTERM
+    finally:
+        head.stop()
+    assert "Received SIGTERM death signal, shutting down workers" in head.output
+    assert head.lines[-1].endswith(f"SignalException: Process {head.pid} got signal: 15")
+    assert "starting" not in head.output
+
+
+def test_fake_torchrun_forwards_sigterm_to_its_workers(tmp_path: Path) -> None:
+    script, out = rank_script(tmp_path)
+    plan = {"sleep": {"0": 30, "1": 30}}
+    proc = Proc(torchrun_argv(script, out, "--nproc-per-node", "2", plan=plan), host_env())
+    try:
+        deadline = time.monotonic() + 10
+        while len(ranks_written(out)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        pids = sorted(r["pid"] for r in ranks_written(out).values())
+        assert len(pids) == 2 and all(alive(pid, script) for pid in pids)
+        assert proc.stop() == 128 + signal.SIGTERM
+    finally:
+        proc.stop()
+        assert end_workers(out, script) == []
+    for pid in pids:
+        assert f"Sending process {pid} closing signal SIGTERM" in proc.output
+
+
+def test_fake_torchrun_bad_options(tmp_path: Path) -> None:
+    script, out = rank_script(tmp_path)
+    for opts, error in (
+        (("--tee", "3"), "torchrun: error: unrecognized arguments: --tee"),
+        (("--nnodes", "2", "--node-rank", "2"), "argument --node-rank: 2 is out of range"),
+        (("--nproc-per-node", "auto"), "invalid int value: 'auto'"),
+    ):
+        argv = [str(TORCHRUN), *opts, str(script), str(out)]  # run as an executable
+        result = run(argv, host_env())
+        assert result.returncode == 2, (opts, result.stderr)
+        assert result.stderr.startswith("usage: torchrun ") and error in result.stderr
+    assert not list(out.iterdir())

@@ -154,3 +154,64 @@ def test_replicas_over_nodes_and_a_bad_interface_name_are_config_errors(
         load_playbook(root / "playbooks" / "p.yaml")
     with pytest.raises(ConfigError, match="not a network interface name"):
         load_inventory(root / "bad" / "inventory.yaml")
+
+
+def job_plan(write_tree: WriteTree, job: str) -> Plan:
+    root = write_tree(
+        {
+            "inventory.yaml": INVENTORY,
+            "train.py": "print('training')\n",
+            "playbooks/p.yaml": f"name: p\nhosts: all\njobs:\n  - {job}\n",
+        }
+    )
+    return build_plan(
+        load_inventory(root / "inventory.yaml"), [load_playbook(root / "playbooks" / "p.yaml")]
+    )
+
+
+def test_a_torchrun_job_over_two_nodes_has_torchruns_own_flags_on_each(
+    write_tree: WriteTree,
+) -> None:
+    plan = job_plan(
+        write_tree,
+        "{name: train, script: ../train.py, launcher: torchrun, nodes: [a, b], gpus: 4,"
+        " dist_port: 29511, args: {epochs: 3}}",
+    )
+    assert messages(plan) == []
+    env = make_environment([])
+    for host, rank, nic in (("a", "0", "ens1"), ("b", "1", "ib0")):
+        (u,) = plan.hosts[host].units
+        assert (u.rank, len(u.gpus)) == (int(rank), 4)
+        script = render_unit(env, u).script
+        assert (
+            f"--nnodes 2 --node-rank {rank} --master-addr 10.0.0.10 --master-port 29511 "
+            "--nproc-per-node 4 " in script
+        )
+        assert script.rstrip().endswith("/train.py --epochs 3")
+        assert '"$(command -v ' in script and "else echo torchrun; fi)" in script
+        assert f"export NCCL_SOCKET_IFNAME={nic}" in script
+    assert plan.hosts["c"].units == []
+
+
+def test_torchrun_on_one_node_and_the_mistakes_around_it(write_tree: WriteTree) -> None:
+    import pytest
+
+    from dflashops.errors import ConfigError
+
+    plan = job_plan(write_tree, "{name: t, script: ../train.py, launcher: torchrun, gpus: 2}")
+    assert messages(plan) == []
+    script = render_unit(make_environment([]), plan.hosts["a"].units[0]).script
+    assert "--nnodes 1 --node-rank 0 --master-addr 127.0.0.1 --master-port 29500" in script
+    assert "--nproc-per-node 2" in script
+    for job, why in (
+        ("{name: t, script: ../train.py, nodes: [a, b]}", "needs `launcher: torchrun`"),
+        ("{name: t, command: [echo], launcher: torchrun}", "runs a Python `script`"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            job_plan(write_tree, job)
+    unknown = job_plan(
+        write_tree, "{name: t, script: ../train.py, launcher: torchrun, nodes: [a, x]}"
+    )
+    assert any(
+        "unknown host or group 'x' in nodes" in m and "job t" in m for m in messages(unknown)
+    )

@@ -49,6 +49,9 @@ def listen(request: Json) -> Json:
     address, port = request["address"], request["port"]
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    # As torch's store and SGLang do: connections of a finished run in TIME_WAIT do not make the
+    # port "in use" (a listener that holds it still does).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((address, port))
         sock.listen(64)

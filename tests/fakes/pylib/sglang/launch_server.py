@@ -17,7 +17,8 @@
    registers mem_fraction_static (default 0.8) x the GPU's memory on each of them for the fake
    nvidia-smi (before the rendezvous of 5; removed again at every exit but SIGKILL).
 5. With N > 1 every rank prints SGLang's ``Init torch distributed begin.``, then meets the others
-   over TCP at HOST:PORT (a rendezvous standing in for torch.distributed + NCCL):
+   over TCP at HOST:PORT (a rendezvous standing in for torch.distributed + NCCL; the protocol is
+   pylib/_rendezvous.py's, shared with the fake torchrun):
 
    - rank 0, the head, listens on exactly HOST:PORT (taken: torch's ``DistNetworkError: ...
      address already in use``, exit status 1) and waits, serving no HTTP, until every rank
@@ -46,20 +47,16 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import os
-import re
 import select
-import signal
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import _fakegpu
+import _rendezvous
 from _fakeengine import cuda_invalid_ordinal, load_flags, load_stub, say, unrecognized
 
 import sglang
@@ -68,25 +65,13 @@ PROG = "launch_server.py"
 USAGE = f"{PROG} [-h] --model-path MODEL_PATH [...]"
 INIT_BEGIN = "Init torch distributed begin."
 INIT_ENDS = "Init torch distributed ends."
-RETRY_SECONDS = 0.2  # a worker dials the head this often until it listens
-POLL_SECONDS = 0.2  # how often a waiting rank checks for SIGTERM/SIGINT
-_HELLO = re.compile(r"^rank (\d+) of (\d+)$")
-_MAX_HELLO = 256  # bytes: a longer first line is not a rank's
 
 
-class _Stop:
+class _Stop(_rendezvous.Stop):
     """SIGTERM/SIGINT while a rank waits or holds: remember it, the loops check it."""
 
-    def __init__(self) -> None:
-        self.received: list[str] = []
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._on_signal)
-
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        self.received.append(signal.Signals(signum).name)
-
     def exit(self, node_rank: int) -> int:
-        say(f"[fake sglang] node_rank {node_rank}: received {self.received[0]}, shut down cleanly")
+        say(f"[fake sglang] node_rank {node_rank}: received {self.name}, shut down cleanly")
         return 0
 
 
@@ -140,11 +125,7 @@ def _nccl_error(lost: str) -> None:
     say("Traceback (most recent call last):", sys.stderr)
     say(f'  File "{where}", line 2650, in run_event_loop', sys.stderr)
     say("    self.event_loop_overlap()", sys.stderr)
-    say(
-        "torch.distributed.DistBackendError: NCCL error: remote process exited or there was a "
-        f"network error: lost {lost}",
-        sys.stderr,
-    )
+    say(_rendezvous.nccl_lost(lost), sys.stderr)
 
 
 def _dist_network_error(message: str) -> int:
@@ -152,97 +133,7 @@ def _dist_network_error(message: str) -> int:
     return 1
 
 
-def _hangup(sock: socket.socket) -> bool:
-    """Read what the peer sent (ignored) and tell whether its connection is gone."""
-    try:
-        return not sock.recv(4096)
-    except OSError:
-        return True
-
-
-def _first_line(sock: socket.socket, pending: dict[socket.socket, bytes]) -> str | None:
-    """Read on into ``pending[sock]``: the first line once complete, and sock leaves ``pending``.
-
-    None while the line is incomplete, and when the peer left without one (sock is closed then).
-    """
-    try:
-        data = sock.recv(_MAX_HELLO)
-    except OSError:
-        data = b""
-    buffered = pending[sock] + data
-    if data and b"\n" not in buffered and len(buffered) <= _MAX_HELLO:
-        pending[sock] = buffered
-        return None
-    del pending[sock]
-    if not data and b"\n" not in buffered:
-        sock.close()
-        return None
-    return buffered.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
-
-
-def _reject(sock: socket.socket, reason: str) -> None:
-    with contextlib.suppress(OSError):
-        sock.sendall(f"error {reason}\n".encode())
-    sock.close()
-
-
 # --------------------------------------------------------------------------- rank 0
-
-
-def _hello(line: str, nnodes: int, joined: dict[int, socket.socket]) -> tuple[int, str]:
-    """The rank a worker's first line announces, or (-1, why it is refused)."""
-    m = _HELLO.match(line)
-    if not m:
-        return -1, f"expected 'rank R of N', got {line[:80]!r}"
-    rank, n = int(m.group(1)), int(m.group(2))
-    if n != nnodes:
-        return -1, f"nnodes mismatch: the head has --nnodes {nnodes}, rank {rank} says {n}"
-    if not 0 < rank < nnodes:
-        return -1, f"rank {rank} is out of range: workers are ranks 1..{nnodes - 1}"
-    if rank in joined:
-        return -1, f"duplicate rank {rank}: it has already joined"
-    return rank, ""
-
-
-def _rendezvous(
-    listener: socket.socket, nnodes: int, stop: _Stop, pending: dict[socket.socket, bytes]
-) -> dict[int, socket.socket] | None:
-    """Every worker's connection by rank once all of 1..nnodes-1 are in; None on SIGTERM/SIGINT.
-
-    ``pending`` collects the connections whose first line is not complete yet; those left at the
-    end are the watcher's to refuse.
-    """
-    joined: dict[int, socket.socket] = {}
-    while len(joined) < nnodes - 1:
-        if stop.received:
-            for sock in [*pending, *joined.values()]:
-                sock.close()
-            return None
-        watched = [listener, *pending, *joined.values()]
-        for sock in select.select(watched, [], [], POLL_SECONDS)[0]:
-            if sock is listener:
-                with contextlib.suppress(OSError):
-                    pending[listener.accept()[0]] = b""
-            elif sock in pending:
-                line = _first_line(sock, pending)
-                if line is None:
-                    continue
-                rank, why = _hello(line, nnodes, joined)
-                if rank < 0:
-                    if _HELLO.match(line):  # a misconfigured rank; other callers (dflashops'
-                        # own reachability check) are answered but leave the log alone
-                        say(f"[fake sglang] rendezvous: refused a rank: {why}", sys.stderr)
-                    _reject(sock, why)
-                else:
-                    joined[rank] = sock
-            elif _hangup(sock):  # a worker left before the others were in: it may come back
-                rank = next(r for r, s in joined.items() if s is sock)
-                del joined[rank]
-                sock.close()
-    for sock in joined.values():
-        with contextlib.suppress(OSError):
-            sock.sendall(b"ok\n")
-    return joined
 
 
 def _watch(
@@ -261,38 +152,28 @@ def _watch(
         except (OSError, ValueError):  # closed under us: the head is exiting
             return
         for sock in readable:
-            if sock is listener:
-                with contextlib.suppress(OSError):
-                    pending[listener.accept()[0]] = b""
-            elif sock in pending:  # refused once its line is read: no reset, the answer arrives
-                if _first_line(sock, pending) is not None:
-                    _reject(sock, "rendezvous complete: every rank has joined")
-            elif _hangup(sock) and not closing.is_set():
+            if _rendezvous.serve_late(sock, listener, pending):
+                continue
+            if _rendezvous.hangup(sock) and not closing.is_set():
                 _nccl_error(f"node_rank {ranks[sock]} of nnodes {nnodes} (its connection closed)")
                 _fakegpu.unregister(gpu_entry)
                 os._exit(1)  # like NCCL's watchdog: the whole process goes, HTTP server and all
 
 
+def _refused(why: str) -> None:
+    """A misconfigured rank; other callers (dflashops' own reachability check) leave no log."""
+    say(f"[fake sglang] rendezvous: refused a rank: {why}", sys.stderr)
+
+
 def _head(stub: Any, settings: dict[str, Any], args: argparse.Namespace, gpu: Path | None) -> int:
     stop = _Stop()
     say(INIT_BEGIN)
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        listener.bind((args.dist_host, args.dist_port))
-        listener.listen(64)
-    except OSError as exc:
-        listener.close()
-        code = exc.errno or 0
-        name = errno.errorcode.get(code, type(exc).__name__)
-        message = (exc.strerror or str(exc)).lower()
-        return _dist_network_error(
-            "The server socket has failed to listen on any local network address. "
-            f"host: {args.dist_host}, port: {args.dist_port}, useIpv6: false, "
-            f"code: {-code}, name: {name}, message: {message}"
-        )
+        listener = _rendezvous.listen(args.dist_host, args.dist_port)
+    except _rendezvous.DistNetworkError as exc:
+        return _dist_network_error(str(exc))
     pending: dict[socket.socket, bytes] = {}
-    joined = _rendezvous(listener, args.nnodes, stop, pending)
+    joined = _rendezvous.gather(listener, args.nnodes, stop, pending, _refused)
     if joined is None:
         listener.close()
         return stop.exit(0)
@@ -314,55 +195,21 @@ def _head(stub: Any, settings: dict[str, Any], args: argparse.Namespace, gpu: Pa
 # --------------------------------------------------------------------------- rank > 0
 
 
-def _read_reply(sock: socket.socket, stop: _Stop) -> str | None:
-    """The head's answer line ('' when it closed the connection); None on SIGTERM/SIGINT."""
-    buffered = b""
-    while b"\n" not in buffered:
-        if stop.received:
-            return None
-        if not select.select([sock], [], [], POLL_SECONDS)[0]:
-            continue
-        try:
-            data = sock.recv(_MAX_HELLO)
-        except OSError:
-            data = b""
-        if not data:
-            return ""
-        buffered += data
-    return buffered.split(b"\n", 1)[0].decode("utf-8", "replace").strip()
-
-
 def _worker(args: argparse.Namespace) -> int:
     stop = _Stop()
     rank, nnodes, addr = args.node_rank, args.nnodes, args.dist_init_addr
     say(INIT_BEGIN)
-    sock = None
-    while sock is None:
-        if stop.received:
-            return stop.exit(rank)
-        try:
-            sock = socket.create_connection((args.dist_host, args.dist_port), timeout=2.0)
-        except OSError:
-            time.sleep(RETRY_SECONDS)  # a signal cuts it short only by running its handler
     try:
-        sock.settimeout(None)
-        with contextlib.suppress(OSError):  # the head hung up: the reply says so
-            sock.sendall(f"rank {rank} of {nnodes}\n".encode())
-        reply = _read_reply(sock, stop)
-        if reply is None:
-            return stop.exit(rank)
-        if not reply.startswith("error ") and reply != "ok":
-            return _dist_network_error(
-                f"rank {rank} of {nnodes}: the head at {addr} closed the connection before "
-                "every rank had joined"
-            )
-        if reply != "ok":
-            return _dist_network_error(
-                f"rank {rank} of {nnodes}: the rendezvous at {addr} refused it: {reply[6:]}"
-            )
+        sock = _rendezvous.join(args.dist_host, args.dist_port, rank, nnodes, stop, addr)
+    except _rendezvous.DistNetworkError as exc:
+        return _dist_network_error(str(exc))
+    if sock is None:
+        return stop.exit(rank)
+    try:
         say(INIT_ENDS)
         while not stop.received:
-            if select.select([sock], [], [], POLL_SECONDS)[0] and _hangup(sock):
+            ready = select.select([sock], [], [], _rendezvous.POLL_SECONDS)[0]
+            if ready and _rendezvous.hangup(sock):
                 _nccl_error(f"node_rank 0 (the head at {addr}; its connection closed)")
                 return 1
         return stop.exit(rank)
