@@ -240,6 +240,11 @@ CHOICE_FIELDS = [
         "name: p\nhosts: a\nservices:\n  - {name: s, engine: stub, model: m, gpus: some}\n",
         "services[0].gpus: must be one of auto or a list (got 'some')",
     ),
+    (
+        "playbooks/p.yaml",
+        "name: p\nhosts: a\njobs:\n  - {name: j, script: t.py, launcher: mpirun}\n",
+        "jobs[0].launcher: must be one of torchrun (got 'mpirun')",
+    ),
 ]
 
 
