@@ -379,7 +379,7 @@ class _GpuAllocator:
 def _nodes(
     inventory: Inventory,
     book: Playbook,
-    spec: SglangService | Job,
+    spec: SglangService | VllmService | Job,
     source: PathKey,
     planned: set[str],
     problems: list[Problem],
@@ -428,15 +428,25 @@ def _nodes(
             )
         )
         return None
-    if isinstance(spec, SglangService) and (spec.tp * spec.dp) % len(seen):
+    if isinstance(spec, (SglangService, VllmService)) and gpus_of(spec) % len(seen):
         problems.append(
             _locator(book, (*source, "tp"), f"service {spec.name}: ")(
-                f"tp {spec.tp} x dp {spec.dp} = {spec.tp * spec.dp} GPUs do not split evenly "
+                f"{parallelism(spec)} = {gpus_of(spec)} GPUs do not split evenly "
                 f"over {len(seen)} nodes"
             )
         )
         return None
     return seen
+
+
+def gpus_of(spec: ModelService) -> int:
+    """GPUs of one replica: tp x dp (x pp for vLLM)."""
+    return spec.tp * spec.dp * (spec.pp if isinstance(spec, VllmService) else 1)
+
+
+def parallelism(spec: ModelService) -> str:
+    pp = f" x pp {spec.pp}" if isinstance(spec, VllmService) and spec.pp > 1 else ""
+    return f"tp {spec.tp}{pp} x dp {spec.dp}"
 
 
 def _service_units(
@@ -449,10 +459,10 @@ def _service_units(
     inventory: Inventory,
     planned: set[str],
 ) -> list[Unit]:
-    per_replica = svc.tp * svc.dp if isinstance(svc, ModelService) else svc.gpus_per_replica
+    per_replica = gpus_of(svc) if isinstance(svc, ModelService) else svc.gpus_per_replica
     where_gpus = _locator(book, (*source, "gpus"), f"service {svc.name}: ")
     nodes: list[str] = []
-    if isinstance(svc, SglangService) and svc.nodes is not None:
+    if isinstance(svc, (SglangService, VllmService)) and svc.nodes is not None:
         found = _nodes(inventory, book, svc, source, planned, problems)
         if found is None or host.name not in found:
             return []  # unusable (said above), or a service of other hosts
@@ -471,7 +481,7 @@ def _service_units(
     if explicit is None and per_replica * svc.replicas > host.gpus:
         # One message for the whole service instead of one per replica that does not fit.
         tp_dp = (
-            f"tp {svc.tp} x dp {svc.dp}" + (f" over {len(nodes)} nodes" if nodes else "")
+            parallelism(svc) + (f" over {len(nodes)} nodes" if nodes else "")
             if isinstance(svc, ModelService)
             else f"{per_replica} per replica"
         )
@@ -511,7 +521,9 @@ def _service_units(
                 nodes=tuple(nodes),
                 rank=rank,
                 head=inventory.hosts[nodes[0]].dial_address if nodes else None,
-                dist_port=svc.dist_port if nodes and isinstance(svc, SglangService) else None,
+                dist_port=svc.dist_port
+                if nodes and isinstance(svc, (SglangService, VllmService))
+                else None,
             )
         )
     return units

@@ -243,6 +243,38 @@ class VllmService(ModelService):
     launcher: Annotated[
         Launcher | None, Field(description="Optional wrapper script that starts vLLM.")
     ] = None
+    pp: Annotated[
+        int, Field(ge=1, le=64, description="Pipeline parallel size (--pipeline-parallel-size).")
+    ] = 1
+    nodes: Annotated[
+        list[Name] | None,
+        Field(
+            min_length=1,
+            description="Hosts (or groups) the server spans, in rank order (the first serves the "
+            "API). Needs `backend`; tp*pp*dp count every node.",
+        ),
+    ] = None
+    backend: Annotated[
+        Literal["native"] | None,
+        Field(
+            description="How vLLM spans nodes: native (vLLM's own --nnodes, --node-rank, "
+            "--master-addr, --master-port; --headless on the other nodes). ray: not built yet."
+        ),
+    ] = None
+    dist_port: Annotated[Port, Field(description="vLLM's --master-port, on the first node.")] = (
+        29501
+    )
+
+    @model_validator(mode="after")
+    def _nodes_need_a_backend(self) -> VllmService:
+        if self.nodes is not None:
+            if self.backend is None:
+                raise ValueError("a vLLM service over several nodes needs `backend: native`")
+            if self.replicas != 1:
+                raise ValueError("a service over several nodes has one replica (`replicas: 1`)")
+            if self.launcher is not None:
+                raise ValueError("a `launcher` cannot be combined with `nodes`")
+        return self
 
 
 class CommandService(ServiceBase):

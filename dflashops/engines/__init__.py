@@ -64,20 +64,26 @@ def launch_for(unit: Unit) -> Launch:
     vllm_args = [
         "--host",
         spec.bind,
-        "--port",
-        port,
+        *(["--port", port] if unit.port is not None else []),
         "--tensor-parallel-size",
         str(spec.tp),
         "--data-parallel-size",
         str(spec.dp),
+        # Only when set: fingerprints of the units that never had it stay what they were.
+        *(["--pipeline-parallel-size", str(spec.pp)] if spec.pp > 1 else []),
+        *_vllm_nodes(unit),
         *to_flags(spec.args),
     ]
     health = spec.ready.path or "/health"
     if spec.launcher is None:
+        env = _node_env(unit)
+        if unit.multi_node:
+            env["VLLM_HOST_IP"] = unit.host.dial_address  # what the other nodes reach it at
         return Launch(
             [python, "-m", "vllm.entrypoints.cli.main", "serve", spec.model, *vllm_args],
             vllm_args,
             health_path=health,
+            env=env,
         )
     launch = Launch([], vllm_args, health_path=health)
     script = _ship(unit, spec.launcher.script, launch, ("launcher", "script"))
@@ -112,6 +118,24 @@ def _nodes(unit: Unit) -> list[str]:
         "--dist-init-addr",
         f"{unit.head}:{unit.dist_port}",
     ]
+
+
+def _vllm_nodes(unit: Unit) -> list[str]:
+    """vLLM's native multi-node launch: the first node serves the API, the others are
+    --headless engine ranks that dial its master port."""
+    if not unit.multi_node:
+        return []
+    flags = [
+        "--nnodes",
+        str(len(unit.nodes)),
+        "--node-rank",
+        str(unit.rank),
+        "--master-addr",
+        str(unit.head),
+        "--master-port",
+        str(unit.dist_port),
+    ]
+    return [*flags, "--headless"] if unit.rank else flags
 
 
 def _node_env(unit: Unit) -> dict[str, str]:

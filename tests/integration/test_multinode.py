@@ -163,3 +163,49 @@ def test_a_torchrun_job_over_two_nodes_runs_every_rank_once_and_is_done_on_both(
     again = ctl.run("deploy")
     assert again.code == 0, again.explain()
     assert {e["status"] for e in again.events if e["unit"] == "train"} == {"ok"}, again.explain()
+
+
+def test_a_two_node_vllm_service_on_vllms_native_backend(
+    fleet_factory: FleetFactory, ops: Callable[..., Ops]
+) -> None:
+    fleet = fleet_factory(h0={"gpus": 2}, h1={"gpus": 2})
+    ctl = ops(fleet)
+    port, dist = free_ports(1), free_ports(1)
+    ctl.playbook(
+        "big",
+        {
+            "hosts": ["h0", "h1"],
+            "services": [
+                {
+                    "name": "big",
+                    "engine": "vllm",
+                    "model": MODEL,
+                    "nodes": ["h0", "h1"],
+                    "backend": "native",
+                    "tp": 2,
+                    "pp": 2,
+                    "port": port,
+                    "dist_port": dist,
+                    "ready": READY,
+                    "stop_grace": "2s",
+                }
+            ],
+        },
+    )
+    up = ctl.run("deploy")
+    assert up.code == 0, up.explain()
+    assert up.of("big-0", host="h0", action="ready", status="changed"), up.explain()
+    assert up.of("big-0", host="h1", action="ready", status="changed"), up.explain()
+    roots = [m["root"] for m in http_json(port, "/v1/models")["data"]]
+    assert roots == [MODEL]
+    worker_log = (unit_dir(fleet["h1"], "big-0") / "logs" / "current.log").read_text()
+    assert "--headless" in worker_log and "--node-rank 1" in worker_log
+    script = (unit_dir(fleet["h1"], "big-0") / "launch.sh").read_text()
+    assert f"export VLLM_HOST_IP={fleet['h1'].address}" in script
+    again = ctl.run("deploy")
+    assert again.code == 0, again.explain()
+    assert {e["status"] for e in again.events if e["unit"] == "big-0"} == {"ok"}, again.explain()
+    down = ctl.run("stop")
+    assert down.code == 0, down.explain()
+    for h in ("h0", "h1"):
+        assert down.of("big-0", host=h, action="stop", status="changed"), down.explain()

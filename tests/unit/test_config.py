@@ -245,6 +245,11 @@ CHOICE_FIELDS = [
         "name: p\nhosts: a\njobs:\n  - {name: j, script: t.py, launcher: mpirun}\n",
         "jobs[0].launcher: must be one of torchrun (got 'mpirun')",
     ),
+    (
+        "playbooks/p.yaml",
+        "name: p\nhosts: a\nservices:\n  - {name: v, engine: vllm, model: m, backend: ray}\n",
+        "services[0].backend: must be one of native (got 'ray')",
+    ),
 ]
 
 

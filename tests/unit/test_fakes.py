@@ -836,3 +836,123 @@ def test_fake_torchrun_bad_options(tmp_path: Path) -> None:
         assert result.returncode == 2, (opts, result.stderr)
         assert result.stderr.startswith("usage: torchrun ") and error in result.stderr
     assert not list(out.iterdir())
+
+
+# ----------------------------------------------------------------------------- fake vllm, multi-node
+
+
+VLLM_WAITING = "Waiting for 1 headless node(s) to join"
+VLLM_JOINED = "Headless node_rank 1 joined the head at"
+
+
+def vllm_node_argv(master_port: int, rank: int, *flags: str, nnodes: int = 2) -> list[str]:
+    """vLLM's native multi-node flags, ``--headless`` on every rank but 0 (as dflashops does)."""
+    return vllm_argv(
+        "M", "--nnodes", str(nnodes), "--node-rank", str(rank), "--master-addr", "127.0.0.1",
+        "--master-port", str(master_port), *(["--headless"] if rank else []), *flags,
+    )  # fmt: skip
+
+
+def test_fake_vllm_native_two_nodes_meet_then_the_head_serves(tmp_path: Path) -> None:
+    port, master = free_port(), free_port()
+    flags = ("-tp", "2", "-pp", "2", "--gpu-memory-utilization", "0.5")
+    head_state, worker_state = tmp_path / "head", tmp_path / "worker"
+    head = Proc(vllm_node_argv(master, 0, "--port", str(port), *flags), node_env(head_state, 2))
+    worker = None
+    try:
+        head.wait_for_line(VLLM_WAITING)
+        never_healthy(port, 0.5)  # no HTTP before every rank is in
+        assert {p for p, _, _ in apps(head_state)} == {head.pid}  # it holds its GPUs already
+        worker = Proc(vllm_node_argv(master, 1, *flags), node_env(worker_state, 2))
+        head.wait_http(port)
+        worker.wait_for_line(VLLM_JOINED)
+        assert head.output.index("All 2 nodes joined") < head.output.index("Starting vLLM API")
+        banner = head.wait_for_line("non-default args:")
+        assert "'tensor_parallel_size': 2" in banner and "'data_parallel_size': 1" in banner
+        assert "'nnodes': 2" in banner and "master_addr" not in banner  # 127.0.0.1: default
+        assert "node_rank" not in banner and "headless" not in banner
+        banner = worker.wait_for_line("non-default args:")
+        assert "'nnodes': 2, 'node_rank': 1, 'headless': True" in banner
+        assert "'tensor_parallel_size': 2" in banner
+        models = request(port, "GET", "/v1/models").json()["data"]
+        assert [(m["id"], m["owned_by"]) for m in models] == [("M", "vllm")]
+        # tp 2 x pp 2 over 2 nodes: 2 GPUs each, all that each host has.
+        for state, proc in ((head_state, head), (worker_state, worker)):
+            assert used_by_gpu(state) == {0: int(0.5 * B200_MIB), 1: int(0.5 * B200_MIB)}
+            assert {p for p, _, _ in apps(state)} == {proc.pid}
+        assert "Starting vLLM API" not in worker.output and worker.popen.poll() is None
+        assert worker.stop() == 0  # SIGTERM: a clean exit, its GPU memory released
+        assert "node_rank 1: received SIGTERM, shutting down cleanly" in worker.output
+        assert not entry(worker_state, worker).exists()
+        assert head.wait() == 1  # ...but a node leaving takes the head down
+        assert NCCL_LOST in head.lines[-1] and "lost node_rank 1 of nnodes 2" in head.lines[-1]
+        assert not entry(head_state, head).exists()
+    finally:
+        head.stop()
+        if worker is not None:
+            worker.stop()
+
+
+def test_fake_vllm_native_worker_killed_takes_the_head_down(tmp_path: Path) -> None:
+    port, master = free_port(), free_port()
+    worker = Proc(vllm_node_argv(master, 1, "-tp", "2"), node_env(tmp_path / "worker"))
+    head = Proc(
+        vllm_node_argv(master, 0, "-tp", "2", "--port", str(port)), node_env(tmp_path / "h")
+    )
+    try:  # the worker starts first and dials until the head listens
+        head.wait_http(port)
+        worker.wait_for_line(VLLM_JOINED)
+        worker.popen.kill()
+        assert worker.wait() == -signal.SIGKILL
+        assert head.wait() == 1
+    finally:
+        worker.stop()
+        head.stop()
+    assert NCCL_LOST in head.lines[-1] and "lost node_rank 1 of nnodes 2" in head.lines[-1]
+    assert not entry(tmp_path / "h", head).exists()
+
+
+def test_fake_vllm_native_head_stopping_takes_the_worker_down(tmp_path: Path) -> None:
+    port, master = free_port(), free_port()
+    head = Proc(
+        vllm_node_argv(master, 0, "-tp", "2", "--port", str(port)), node_env(tmp_path / "h")
+    )
+    worker = Proc(vllm_node_argv(master, 1, "-tp", "2"), node_env(tmp_path / "worker"))
+    try:
+        head.wait_http(port)
+        worker.wait_for_line(VLLM_JOINED)
+        assert head.stop() == 0  # the head shuts down cleanly...
+        assert worker.wait() == 1  # ...and the headless node loses it
+    finally:
+        head.stop()
+        worker.stop()
+    last = worker.lines[-1]
+    assert NCCL_LOST in last and f"lost node_rank 0 (the head at 127.0.0.1:{master};" in last
+    assert not entry(tmp_path / "worker", worker).exists()
+
+
+def test_fake_vllm_native_bad_input(tmp_path: Path) -> None:
+    env, master = host_env(tmp_path), free_port()
+    for argv, error in (
+        (
+            vllm_argv("M", "-tp", "2", "--nnodes", "2", "--headless"),
+            "vllm: error: argument --headless: node_rank 0 runs the API server",
+        ),
+        (
+            vllm_argv("M", "-tp", "2", "--nnodes", "2", "--node-rank", "1"),
+            "vllm: error: argument --node-rank: node_rank 1 > 0 needs --headless",
+        ),
+        (
+            vllm_node_argv(master, 2, "-tp", "2"),
+            "vllm: error: argument --node-rank: 2 is out of range for --nnodes 2",
+        ),
+    ):
+        result = run(argv, env)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("usage: vllm serve ") and error in result.stderr
+    for rank in (0, 1):
+        result = run(vllm_node_argv(master, rank, "-tp", "3"), env)
+        assert result.returncode == 1
+        assert "ValueError: world size 3 (tensor_parallel_size 3 x " in result.stderr
+        assert "is not divisible by nnodes 2" in result.stderr
+    assert not list((tmp_path / "procs").glob("*.json"))  # nothing left registered

@@ -215,3 +215,55 @@ def test_torchrun_on_one_node_and_the_mistakes_around_it(write_tree: WriteTree) 
     assert any(
         "unknown host or group 'x' in nodes" in m and "job t" in m for m in messages(unknown)
     )
+
+
+def test_vllm_native_over_two_nodes_headless_on_the_other_and_its_host_ip(
+    write_tree: WriteTree,
+) -> None:
+    plan = plan_of(
+        write_tree,
+        "{name: big, engine: vllm, model: /m, nodes: [a, b], backend: native, tp: 8, pp: 2,"
+        " port: 8000, dist_port: 29600}",
+    )
+    assert messages(plan) == []
+    env = make_environment([])
+    for host, rank, ip in (("a", "0", "10.0.0.10"), ("b", "1", "203.0.113.11")):
+        (u,) = plan.hosts[host].units
+        assert len(u.gpus) == 8  # tp 8 x pp 2 over 2 nodes
+        args = launch_for(u).engine_args
+        assert (
+            "--pipeline-parallel-size" in args
+            and args[args.index("--pipeline-parallel-size") + 1] == "2"
+        )
+        tail = [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--master-addr",
+            "10.0.0.10",
+            "--master-port",
+            "29600",
+        ]
+        assert args[args.index("--nnodes") : args.index("--nnodes") + 8] == tail
+        assert ("--headless" in args) == (rank == "1") and ("--port" in args) == (rank == "0")
+        assert f"export VLLM_HOST_IP={ip}" in render_unit(env, u).script
+
+
+def test_vllm_over_nodes_needs_a_backend_and_an_even_split(write_tree: WriteTree) -> None:
+    import pytest
+
+    from dflashops.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs `backend: native`"):
+        plan_of(write_tree, "{name: v, engine: vllm, model: /m, nodes: [a, b]}")
+    with pytest.raises(ConfigError, match="must be one of native"):
+        plan_of(write_tree, "{name: v, engine: vllm, model: /m, nodes: [a, b], backend: ray}")
+    uneven = plan_of(
+        write_tree,
+        "{name: v, engine: vllm, model: /m, nodes: [a, b, c], backend: native, tp: 2, pp: 2}",
+    )
+    assert any(
+        "tp 2 x pp 2 x dp 1 = 4 GPUs do not split evenly over 3 nodes" in m
+        for m in messages(uneven)
+    )

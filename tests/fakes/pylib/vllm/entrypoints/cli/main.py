@@ -19,16 +19,44 @@
    and serves the stub engine with vLLM's endpoints (/health, /version, /v1/*, /metrics with
    vLLM's names such as vllm:generation_tokens_total; the api key protects /v1 only). The default host is 127.0.0.1, not vLLM's 0.0.0.0: a test
    double should not listen on every interface.
+5. vLLM's native multi-node mode: ``--nnodes N`` (default 1), ``--node-rank R`` (default 0),
+   ``--master-addr HOST`` (default 127.0.0.1), ``--master-port PORT`` (default 29501) and
+   ``--headless`` for every node but the first. R outside 0 <= R < N, ``--headless`` on rank 0,
+   or a rank R > 0 without ``--headless``: ``vllm: error: ...`` on stderr, exit status 2. The
+   parallel sizes count every node: each node needs tp * dp * pp / N GPUs (the rule of 3 and 4
+   applies to that share); when that does not divide, a ``ValueError`` and exit status 1. The
+   non-default args line then also shows nnodes, node_rank, headless, master_addr/master_port.
+   The nodes meet over TCP at HOST:PORT (pylib/_rendezvous.py's protocol, shared with the fake
+   SGLang and torchrun; GPU memory is registered before it):
+
+   - rank 0, the API server node, logs ``Waiting for N-1 headless node(s) to join ...``,
+     listens on exactly HOST:PORT (taken: torch's ``DistNetworkError``, exit status 1) and
+     serves no HTTP until every rank 1..N-1 has joined; then ``All N nodes joined ...`` and it
+     serves as in 4. A missing rank leaves it waiting for ever.
+   - rank R > 0, headless, logs ``Launching vLLM in headless mode ...``, joins the head
+     (retrying until it listens; refused or hung up on: a ``DistNetworkError``, exit status 1),
+     logs ``Headless node_rank R joined ...`` and holds its connection, serving no HTTP.
+   - once all are in, a connection that drops (a node died, or the head stopped) makes the other
+     end print ``torch.distributed.DistBackendError: NCCL error: remote process exited or there
+     was a network error: lost ...`` on stderr and exit with status 1.
+   - SIGTERM/SIGINT end a waiting head or a waiting/holding headless node with exit status 0;
+     the fake GPU memory is unregistered on every exit but SIGKILL.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import select
+import socket
 import sys
+import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import _fakegpu
+import _rendezvous
 from _fakeengine import cuda_invalid_ordinal, load_flags, load_stub, say, timestamp, unrecognized
 
 import vllm
@@ -50,11 +78,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--reasoning-parser")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=int, default=29501)
+    p.add_argument("--headless", action="store_true")
     return p
 
 
-def _log(level: str, where: str, message: str, who: str = "APIServer") -> None:
-    say(f"({who} pid={os.getpid()}) {level} {timestamp()} [{where}] {message}")
+NODE_DEFAULTS = {
+    "nnodes": 1,
+    "node_rank": 0,
+    "headless": False,
+    "master_addr": "127.0.0.1",
+    "master_port": 29501,
+}
+
+
+def _log(
+    level: str, where: str, message: str, who: str | None = "APIServer", err: bool = False
+) -> None:
+    prefix = f"({who} pid={os.getpid()}) " if who else ""
+    say(f"{prefix}{level} {timestamp()} [{where}] {message}", sys.stderr if err else sys.stdout)
+
+
+def _usage_error(message: str) -> int:
+    say("usage: vllm serve [model_tag] [options]", sys.stderr)
+    say(f"vllm: error: {message}", sys.stderr)
+    return 2
+
+
+def _node_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with --nnodes/--node-rank/--master-port/--headless, if anything."""
+    n, r = args.nnodes, args.node_rank
+    if n < 1:
+        return f"argument --nnodes: must be at least 1, got {n}"
+    if not 0 <= r < n:
+        return (
+            f"argument --node-rank: {r} is out of range for --nnodes {n} (0 <= node_rank < nnodes)"
+        )
+    if not 0 < args.master_port < 65536:
+        return f"argument --master-port: {args.master_port} is not a TCP port"
+    if args.headless and r == 0:
+        return (
+            "argument --headless: node_rank 0 runs the API server and cannot be headless; "
+            "pass --headless only on the other nodes (--node-rank 1..N-1)"
+        )
+    if r > 0 and not args.headless:
+        return (
+            f"argument --node-rank: node_rank {r} > 0 needs --headless (only node_rank 0 runs "
+            "the API server)"
+        )
+    return None
 
 
 def _dp_crash(local_rank: int, dp_rank: int) -> int:
@@ -80,6 +155,165 @@ def _dp_crash(local_rank: int, dp_rank: int) -> int:
     return 1
 
 
+class _Stop(_rendezvous.Stop):
+    """SIGTERM/SIGINT while a node waits or holds: remember it, the loops check it."""
+
+    def exit(self, node_rank: int, who: str | None) -> int:
+        _log(
+            "INFO",
+            "launcher.py:112",
+            f"node_rank {node_rank}: received {self.name}, shutting down cleanly",
+            who,
+        )
+        return 0
+
+
+def _nccl_error(lost: str, who: str | None) -> None:
+    where = "/usr/local/lib/python3.12/dist-packages/vllm/v1/executor/multiproc_executor.py"
+    lines = (
+        "Traceback (most recent call last):",
+        f'  File "{where}", line 583, in worker_busy_loop',
+        "    output = func(*args, **kwargs)",
+        _rendezvous.nccl_lost(lost),
+    )
+    for line in lines:
+        _log("ERROR", "multiproc_executor.py:590", line, who, err=True)
+
+
+def _dist_network_error(message: str) -> int:
+    say(f"torch.distributed.DistNetworkError: {message}", sys.stderr)
+    return 1
+
+
+def _not_divisible(tp: int, dp: int, pp: int, nnodes: int) -> int:
+    say("Traceback (most recent call last):", sys.stderr)
+    say(
+        '  File "/usr/local/lib/python3.12/dist-packages/vllm/config/parallel.py", '
+        "line 512, in __post_init__",
+        sys.stderr,
+    )
+    say(
+        f"ValueError: world size {tp * dp * pp} (tensor_parallel_size {tp} x "
+        f"data_parallel_size {dp} x pipeline_parallel_size {pp}) is not divisible by "
+        f"nnodes {nnodes}: every node must run the same number of GPUs",
+        sys.stderr,
+    )
+    return 1
+
+
+# --------------------------------------------------------------------------- node_rank 0
+
+
+def _watch(
+    listener: socket.socket,
+    joined: dict[int, socket.socket],
+    pending: dict[socket.socket, bytes],
+    nnodes: int,
+    gpu_entry: Path | None,
+    closing: threading.Event,
+) -> None:
+    """While the head serves: refuse late ranks; a lost node takes the head down (exit 1)."""
+    ranks = {sock: rank for rank, sock in joined.items()}
+    while not closing.is_set():
+        try:
+            readable = select.select([listener, *pending, *ranks], [], [], 0.5)[0]
+        except (OSError, ValueError):  # closed under us: the head is exiting
+            return
+        for sock in readable:
+            if _rendezvous.serve_late(sock, listener, pending):
+                continue
+            if _rendezvous.hangup(sock) and not closing.is_set():
+                lost = f"node_rank {ranks[sock]} of nnodes {nnodes} (its connection closed)"
+                _nccl_error(lost, "EngineCore_DP0")
+                _fakegpu.unregister(gpu_entry)
+                os._exit(1)  # like NCCL's watchdog: the whole process goes, HTTP server and all
+
+
+def _refused(why: str) -> None:
+    """A misconfigured rank; other callers (dflashops' own reachability check) leave no log."""
+    _log("WARNING", "multiproc_executor.py:131", f"rendezvous: refused a rank: {why}", err=True)
+
+
+def _head(stub: Any, settings: dict[str, Any], args: argparse.Namespace, gpu: Path | None) -> int:
+    stop = _Stop()
+    n, addr = args.nnodes, f"{args.master_addr}:{args.master_port}"
+    _log(
+        "INFO",
+        "multiproc_executor.py:124",
+        f"Waiting for {n - 1} headless node(s) to join: nnodes={n}, node_rank=0, master {addr}",
+    )
+    try:
+        listener = _rendezvous.listen(args.master_addr, args.master_port)
+    except _rendezvous.DistNetworkError as exc:
+        return _dist_network_error(str(exc))
+    pending: dict[socket.socket, bytes] = {}
+    joined = _rendezvous.gather(listener, n, stop, pending, _refused)
+    if joined is None:
+        listener.close()
+        return stop.exit(0, "APIServer")
+    _log("INFO", "multiproc_executor.py:139", f"All {n} nodes joined (nnodes={n}, master {addr})")
+    closing = threading.Event()
+    watcher = threading.Thread(
+        target=_watch,
+        args=(listener, joined, pending, n, gpu, closing),
+        name="fake-nccl-watch",
+        daemon=True,
+    )
+    watcher.start()
+    try:
+        return _run_api_server(stub, settings)
+    finally:
+        closing.set()  # the headless nodes see the connections close when this process exits
+
+
+# --------------------------------------------------------------------------- node_rank > 0
+
+
+def _headless(args: argparse.Namespace) -> int:
+    stop = _Stop()
+    rank, n = args.node_rank, args.nnodes
+    addr = f"{args.master_addr}:{args.master_port}"
+    _log(
+        "INFO",
+        "api_server.py:1790",
+        f"Launching vLLM in headless mode: node_rank {rank} of nnodes {n}, master {addr}",
+        None,
+    )
+    try:
+        sock = _rendezvous.join(args.master_addr, args.master_port, rank, n, stop, addr)
+    except _rendezvous.DistNetworkError as exc:
+        return _dist_network_error(str(exc))
+    if sock is None:
+        return stop.exit(rank, None)
+    try:
+        _log(
+            "INFO",
+            "multiproc_executor.py:139",
+            f"Headless node_rank {rank} joined the head at {addr}; serving no HTTP",
+            None,
+        )
+        while not stop.received:
+            ready = select.select([sock], [], [], _rendezvous.POLL_SECONDS)[0]
+            if ready and _rendezvous.hangup(sock):
+                _nccl_error(f"node_rank 0 (the head at {addr}; its connection closed)", None)
+                return 1
+        return stop.exit(rank, None)
+    finally:
+        sock.close()
+
+
+# --------------------------------------------------------------------------- serve
+
+
+def _run_api_server(stub: Any, settings: dict[str, Any]) -> int:
+    _log(
+        "INFO",
+        "launcher.py:37",
+        f"Starting vLLM API server 0 on http://{settings['host']}:{settings['port']}",
+    )
+    return int(stub.run_server(settings, "vllm"))
+
+
 def serve(argv: list[str]) -> int:
     bad = unrecognized(argv, load_flags("vllm-flags.txt"), negatable=True)
     if bad:
@@ -92,6 +326,9 @@ def serve(argv: list[str]) -> int:
         say("vllm: error: the following arguments are required: model_tag", sys.stderr)
         return 2
     tp, dp, pp = args.tensor_parallel_size, args.data_parallel_size, args.pipeline_parallel_size
+    problem = _node_error(args)
+    if problem:
+        return _usage_error(problem)
 
     _log("INFO", "api_server.py:1885", f"vLLM API server version {vllm.__version__}")
     shown = {"model_tag": model}
@@ -104,12 +341,17 @@ def serve(argv: list[str]) -> int:
         shown["pipeline_parallel_size"] = pp
     if args.gpu_memory_utilization != 0.9:
         shown["gpu_memory_utilization"] = args.gpu_memory_utilization
+    for key, default in NODE_DEFAULTS.items():
+        if getattr(args, key) != default:
+            shown[key] = getattr(args, key)
     _log("INFO", "utils.py:233", f"non-default args: {shown}")
     say("[fake vllm: dflashops test double, CPU only]")
 
     cfg = _fakegpu.load_config()
     visible = _fakegpu.visible_gpus(cfg)
-    need = tp * dp * pp
+    if (tp * dp * pp) % args.nnodes:
+        return _not_divisible(tp, dp, pp, args.nnodes)
+    need = tp * dp * pp // args.nnodes  # this node's share
     if dp > 1 and "CUDA_VISIBLE_DEVICES" in os.environ:
         return _dp_crash(local_rank=tp * pp, dp_rank=1)
     if dp > 1 and len(visible) < need:
@@ -117,7 +359,11 @@ def serve(argv: list[str]) -> int:
     if len(visible) < need:
         return cuda_invalid_ordinal("/usr/local/lib/python3.12/dist-packages/vllm/worker.py")
 
-    _fakegpu.register(int(args.gpu_memory_utilization * cfg["memory_total_mib"]), visible[:need])
+    gpu = _fakegpu.register(
+        int(args.gpu_memory_utilization * cfg["memory_total_mib"]), visible[:need]
+    )
+    if args.headless:
+        return _headless(args)
     stub = load_stub()
     settings = {
         "model_path": model,
@@ -132,12 +378,9 @@ def serve(argv: list[str]) -> int:
         "reasoning_parser": args.reasoning_parser,
         "gpu_memory_utilization": args.gpu_memory_utilization,
     }
-    _log(
-        "INFO",
-        "launcher.py:37",
-        f"Starting vLLM API server 0 on http://{settings['host']}:{args.port}",
-    )
-    return int(stub.run_server(settings, "vllm"))
+    if args.nnodes > 1:
+        return _head(stub, settings, args, gpu)
+    return _run_api_server(stub, settings)
 
 
 def main(argv: list[str] | None = None) -> int:
