@@ -137,8 +137,9 @@ def build_plan(
     plan = Plan(hosts={}, problems=problems)
     # A templated playbook is validated once per host: the same mistake must be said once.
     problems[:] = list(dict.fromkeys(problems))
+    planned = set(placed)
     for name, entries in placed.items():
-        host_plan, errs = _plan_host(inventory, inventory.hosts[name], entries, set(placed))
+        host_plan, errs = _plan_host(inventory, inventory.hosts[name], entries, planned)
         plan.hosts[name] = host_plan
         problems.extend(errs)
     problems[:] = list(dict.fromkeys(problems))  # a multi-node mistake is found on each node
