@@ -139,10 +139,13 @@ def wait_released(pids: set[int], timeout: float, give_up: Any = None) -> Json:
     if exe is None or not pids:
         return {"freed": None if exe is None else True, "held": [], "error": None}
     deadline = time.monotonic() + timeout
+    seen: list[Json] | None = None  # what the last answer that came said was held
     while True:
         remaining = deadline - time.monotonic()
         found = gather(max(1.0, min(30.0, remaining + 1.0)), exe)
         if not found["available"] or found["error"]:
+            if seen is not None:  # held when last seen: a slow nvidia-smi since is no release
+                return {"freed": False, "held": seen, "error": found["error"]}
             return {"freed": None, "held": [], "error": found["error"]}
         held = sorted(
             (
@@ -154,6 +157,7 @@ def wait_released(pids: set[int], timeout: float, give_up: Any = None) -> Json:
         )
         if not held:
             return {"freed": True, "held": [], "error": None}
+        seen = held
         if time.monotonic() >= deadline or (give_up is not None and give_up()):
             return {"freed": False, "held": held, "error": None}
         time.sleep(POLL_S)

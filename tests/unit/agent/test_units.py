@@ -658,6 +658,7 @@ def test_unusable_pid_record(host: Host) -> None:
     assert not got.ok and "nothing signalled" in (got.error or "")
     assert (d / "pid.unusable").read_text() == "{half a rec"  # kept as evidence
     assert host.start("job")["job"].ok
+    assert host.stop(("job", 1.0))["job"].ok  # nothing of the test is left running
 
 
 # ------------------------------------------------------------------------------ GPU memory
