@@ -61,3 +61,9 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_bad_timestamp_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="invalid YAML value"):
         parse_yaml("when: 2024-13-45\n", "t.yaml")
+
+
+def test_a_lone_surrogate_is_a_config_error_with_its_place() -> None:
+    with pytest.raises(ConfigError, match="is not valid Unicode") as exc:
+        parse_yaml("a: 1\nb: x\ud800\n", "t.yaml")
+    assert str(exc.value).startswith("t.yaml:2:5: ")
