@@ -122,10 +122,10 @@ def parse_yaml(text: str, file: str) -> Document:
     except RecursionError:
         raise ConfigError([Problem(file, "invalid YAML: nested too deeply")]) from None
     except UnicodeEncodeError as exc:  # libyaml takes UTF-8: a lone surrogate cannot be one
-        line = text.count("\n", 0, exc.start) + 1
-        column = exc.start - text.rfind("\n", 0, exc.start)
+        row = text.count("\n", 0, exc.start) + 1
+        col = exc.start - text.rfind("\n", 0, exc.start)
         problem = f"invalid YAML: character {text[exc.start]!r} is not valid Unicode"
-        raise ConfigError([Problem(file, problem, line, column)]) from None
+        raise ConfigError([Problem(file, problem, row, col)]) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark
         line, column = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
