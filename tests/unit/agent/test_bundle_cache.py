@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from dflashops.agent.bundle import bundle, command, sources
+from tests.conftest import unless
 
 REPO = Path(__file__).resolve().parents[3]
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -36,7 +37,7 @@ PYTHONS = [
     pytest.param(
         SYSTEM_PYTHON,
         id="system-python",
-        marks=pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason="no /usr/bin/python3"),
+        marks=unless(os.path.exists(SYSTEM_PYTHON), "no /usr/bin/python3"),
     ),
 ]
 ANY_PYTHON = SYSTEM_PYTHON if os.path.exists(SYSTEM_PYTHON) else sys.executable
@@ -338,7 +339,7 @@ def test_concurrent_first_runs(home: Path, tmp_path: Path) -> None:
     assert_valid_entry(ANY_PYTHON, entry_path(ANY_PYTHON, home / ".cache"))
 
 
-@pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason="no /usr/bin/python3")
+@unless(os.path.exists(SYSTEM_PYTHON), "no /usr/bin/python3")
 def test_each_cache_tag_has_its_own_folder(home: Path, tmp_path: Path) -> None:
     """Two interpreters on one host: an entry per cache tag (one shared when the tags are
     the same, as for two builds of one Python version)."""

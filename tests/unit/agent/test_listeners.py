@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from dflashops.agent.remote import procfs
+from tests.conftest import unless
 from tests.procs import start_time
 
 Finder = Callable[[], list[dict[str, Any]]]
@@ -33,7 +34,7 @@ def _netlink_works() -> bool:
 
 
 NETLINK = _netlink_works()
-needs_netlink = pytest.mark.skipif(not NETLINK, reason="no sock_diag netlink here")
+needs_netlink = unless(NETLINK, "no sock_diag netlink here")
 FINDERS = [
     pytest.param(procfs._diag_listeners, id="netlink", marks=needs_netlink),
     pytest.param(procfs._proc_listeners, id="proc"),
@@ -53,7 +54,7 @@ def _ipv6_loopback() -> bool:
 
 
 IPV6 = _ipv6_loopback()
-needs_ipv6 = pytest.mark.skipif(not IPV6, reason="no IPv6 loopback here")
+needs_ipv6 = unless(IPV6, "no IPv6 loopback here")
 
 
 def listen(host: str = "127.0.0.1", port: int = 0, *, reuseport: bool = False) -> socket.socket:
@@ -118,13 +119,16 @@ def test_ipv6_and_wildcard_listeners_found(find: Finder, opened: list[socket.soc
 @pytest.mark.parametrize("find", FINDERS)
 @needs_ipv6
 def test_same_port_in_both_families(find: Finder, opened: list[socket.socket]) -> None:
-    v4 = listen()
-    opened.append(v4)
-    try:
-        v6 = listen("::1", v4.getsockname()[1])
-    except OSError:
-        pytest.skip("that port is taken on ::1")
-    opened.append(v6)
+    for _ in range(20):  # a port free on 127.0.0.1 may be taken on ::1: try another
+        v4 = listen()
+        try:
+            v6 = listen("::1", v4.getsockname()[1])
+            break
+        except OSError:
+            v4.close()
+    else:
+        pytest.fail("no port free on both 127.0.0.1 and ::1 in 20 tries")
+    opened.extend([v4, v6])
     found = on_ports(find(), {v4.getsockname()[1]})
     assert found == expected(opened) and len(found) == 2
 
