@@ -256,3 +256,27 @@ def join(
         f"rank {rank} of {nnodes}: the head at {addr} closed the connection before every rank "
         "had joined"
     )
+
+
+def watch(
+    listener: socket.socket,
+    joined: dict[int, socket.socket],
+    pending: dict[socket.socket, bytes],
+    nnodes: int,
+    closing: Any,
+    on_lost: Callable[[str], None],
+) -> None:
+    """While the head serves (a thread): refuse late ranks; a lost worker calls ``on_lost``
+    with its description (the fake prints its error and ends the process). Ends when
+    ``closing`` (a threading.Event) is set or the sockets are closed under it."""
+    ranks = {sock: rank for rank, sock in joined.items()}
+    while not closing.is_set():
+        try:
+            readable = select.select([listener, *pending, *ranks], [], [], 0.5)[0]
+        except (OSError, ValueError):  # closed under us: the head is exiting
+            return
+        for sock in readable:
+            if serve_late(sock, listener, pending):
+                continue
+            if hangup(sock) and not closing.is_set():
+                on_lost(f"node_rank {ranks[sock]} of nnodes {nnodes} (its connection closed)")

@@ -136,28 +136,12 @@ def _dist_network_error(message: str) -> int:
 # --------------------------------------------------------------------------- rank 0
 
 
-def _watch(
-    listener: socket.socket,
-    joined: dict[int, socket.socket],
-    pending: dict[socket.socket, bytes],
-    nnodes: int,
-    gpu_entry: Path | None,
-    closing: threading.Event,
-) -> None:
-    """While the head serves: refuse late ranks; a lost worker takes the head down (exit 1)."""
-    ranks = {sock: rank for rank, sock in joined.items()}
-    while not closing.is_set():
-        try:
-            readable = select.select([listener, *pending, *ranks], [], [], 0.5)[0]
-        except (OSError, ValueError):  # closed under us: the head is exiting
-            return
-        for sock in readable:
-            if _rendezvous.serve_late(sock, listener, pending):
-                continue
-            if _rendezvous.hangup(sock) and not closing.is_set():
-                _nccl_error(f"node_rank {ranks[sock]} of nnodes {nnodes} (its connection closed)")
-                _fakegpu.unregister(gpu_entry)
-                os._exit(1)  # like NCCL's watchdog: the whole process goes, HTTP server and all
+def _lost(lost: str, gpu_entry: Path | None) -> None:
+    """A worker gone while the head serves: its error, and the whole process goes (like
+    NCCL's watchdog: the HTTP server and all)."""
+    _nccl_error(lost)
+    _fakegpu.unregister(gpu_entry)
+    os._exit(1)
 
 
 def _refused(why: str) -> None:
@@ -180,8 +164,8 @@ def _head(stub: Any, settings: dict[str, Any], args: argparse.Namespace, gpu: Pa
     say(INIT_ENDS)
     closing = threading.Event()
     watcher = threading.Thread(
-        target=_watch,
-        args=(listener, joined, pending, args.nnodes, gpu, closing),
+        target=_rendezvous.watch,
+        args=(listener, joined, pending, args.nnodes, closing, lambda lost: _lost(lost, gpu)),
         name="fake-nccl-watch",
         daemon=True,
     )

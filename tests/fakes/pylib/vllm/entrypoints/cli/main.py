@@ -204,29 +204,12 @@ def _not_divisible(tp: int, dp: int, pp: int, nnodes: int) -> int:
 # --------------------------------------------------------------------------- node_rank 0
 
 
-def _watch(
-    listener: socket.socket,
-    joined: dict[int, socket.socket],
-    pending: dict[socket.socket, bytes],
-    nnodes: int,
-    gpu_entry: Path | None,
-    closing: threading.Event,
-) -> None:
-    """While the head serves: refuse late ranks; a lost node takes the head down (exit 1)."""
-    ranks = {sock: rank for rank, sock in joined.items()}
-    while not closing.is_set():
-        try:
-            readable = select.select([listener, *pending, *ranks], [], [], 0.5)[0]
-        except (OSError, ValueError):  # closed under us: the head is exiting
-            return
-        for sock in readable:
-            if _rendezvous.serve_late(sock, listener, pending):
-                continue
-            if _rendezvous.hangup(sock) and not closing.is_set():
-                lost = f"node_rank {ranks[sock]} of nnodes {nnodes} (its connection closed)"
-                _nccl_error(lost, "EngineCore_DP0")
-                _fakegpu.unregister(gpu_entry)
-                os._exit(1)  # like NCCL's watchdog: the whole process goes, HTTP server and all
+def _lost(lost: str, gpu_entry: Path | None) -> None:
+    """A worker gone while the head serves: its error, and the whole process goes (like
+    NCCL's watchdog: the HTTP server and all)."""
+    _nccl_error(lost, "EngineCore_DP0")
+    _fakegpu.unregister(gpu_entry)
+    os._exit(1)
 
 
 def _refused(why: str) -> None:
@@ -254,8 +237,8 @@ def _head(stub: Any, settings: dict[str, Any], args: argparse.Namespace, gpu: Pa
     _log("INFO", "multiproc_executor.py:139", f"All {n} nodes joined (nnodes={n}, master {addr})")
     closing = threading.Event()
     watcher = threading.Thread(
-        target=_watch,
-        args=(listener, joined, pending, n, gpu, closing),
+        target=_rendezvous.watch,
+        args=(listener, joined, pending, n, closing, lambda lost: _lost(lost, gpu)),
         name="fake-nccl-watch",
         daemon=True,
     )
