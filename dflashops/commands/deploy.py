@@ -46,9 +46,7 @@ def rendezvous_first(out: Console, target: Target, force: bool) -> None:
     """Before anything starts: every worker of a multi-node unit reaches its head's rendezvous
     (the head listens for the check). A rank that cannot would hang the head at NCCL init
     until its ready timeout; this says which hosts, address and port, in seconds."""
-    from dflashops.agent import Agent
     from dflashops.errors import HostError
-    from dflashops.hosts import connect
     from dflashops.output import escape
     from dflashops.preflight.live import rendezvous
 
@@ -62,14 +60,7 @@ def rendezvous_first(out: Console, target: Target, force: bool) -> None:
     for head in heads:
         hosts = {n: target.peers[n] for n in head.nodes}
         try:
-            conn = connect(head.host)
-            try:
-                facts = Agent(conn, head.host.python).facts(
-                    head.host.workdir, ports=[head.dist_port or 0]
-                )
-            finally:
-                conn.close()
-            found = rendezvous(head, hosts, facts)
+            found = rendezvous(head, hosts)
         except HostError as exc:  # deploy itself reports an unreachable host
             out.print(f"[yellow]WARN[/] rendezvous of {head.name} not checked: {escape(str(exc))}")
             continue

@@ -358,14 +358,13 @@ def multi_node_checks(plan: Plan, facts: dict[str, HostFacts]) -> list[Check]:
     return checks
 
 
-def rendezvous(head: Unit, hosts: dict[str, Host], head_facts: HostFacts) -> Check:
+def rendezvous(head: Unit, hosts: dict[str, Host], head_facts: HostFacts | None = None) -> Check:
     """The head of ``head``'s unit listens on its rendezvous, every other node dials it.
-    ``head_facts`` (with the port's listener) tell a port held by the unit itself from a
-    port someone else holds."""
+    The head's facts (its port's listener: asked for only when the port is taken, unless
+    given) tell a port held by the unit itself from a port someone else holds."""
     assert head.head is not None and head.dist_port is not None
     where = f"{head.head}:{head.dist_port}"
     subject = f"{head.host.name}/{head.name}@{where}"
-    mine = head_facts.unit(head.name)
     workers = [n for n in head.nodes if n != head.host.name]
     conns = {n: connect(hosts[n]) for n in head.nodes}
     try:
@@ -374,11 +373,16 @@ def rendezvous(head: Unit, hosts: dict[str, Host], head_facts: HostFacts) -> Che
             hosts[head.host.name].workdir, head.head, head.dist_port, len(workers), 10.0
         ) as (first, finish):
             if not first.listening:
+                if head_facts is None and first.held:
+                    head_facts = agents[head.host.name].facts(
+                        hosts[head.host.name].workdir, ports=[head.dist_port]
+                    )
+                mine = head_facts.unit(head.name) if head_facts is not None else None
                 if first.held and mine is not None and mine.process.alive and mine.process.ours:
                     return Check(
                         "live-rendezvous", subject, True, f"held by the running {head.name}"
                     )
-                holder = head_facts.listener(head.dist_port)
+                holder = head_facts.listener(head.dist_port) if head_facts is not None else None
                 pids = (
                     f" (pids {', '.join(map(str, holder.pids))})" if holder and holder.pids else ""
                 )
