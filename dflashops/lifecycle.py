@@ -19,6 +19,7 @@ import shlex
 import threading
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -34,6 +35,7 @@ from dflashops.hosts import connect
 from dflashops.nodestate import NodeState
 from dflashops.orphans import Orphan, blocking, find, ways_out
 from dflashops.render import Rendered
+from dflashops.spans import Spans, label, span_of
 from dflashops.stage import Stage, envs_request, files_request
 from dflashops.supervision import policy, restart_policy
 
@@ -52,6 +54,7 @@ class Options:
     keep_logs: int = 20
     gpu_timeout: float = 60.0
     abort: threading.Event = field(default_factory=threading.Event)  # set on Ctrl-C
+    spans: Spans = field(default_factory=Spans)  # the hosts' word on units over several hosts
 
 
 class Interrupted(HostError):
@@ -84,6 +87,11 @@ class HostRun:
         self.workdir = self.host.workdir  # replaced by the host's absolute path at the first facts
         self.peer_agents: dict[str, Agent] = {}
         self.stage: Stage | None = None
+        # Services over several hosts this host has a part of (see spans.py).
+        self.told: set[str] = set()  # spans whose failure this host has reported in full
+        self.spans = {
+            s for r in self.rendered if r.unit.kind == "service" and (s := span_of(r.unit))
+        }
 
     def peer(self, name: str) -> Agent:
         """The agent on another inventory host (a relay's source), connected once."""
@@ -106,9 +114,14 @@ class HostRun:
     ) -> None:
         self.events.emit(self.host.name, unit, status, action, message, **data)  # type: ignore[arg-type]
 
-    def fail(self, unit: str, action: str, message: str) -> None:
+    def fail(self, unit: str, action: str, message: str, origin: bool = True) -> None:
         self.failed.add(unit)
         self.emit(unit, "failed", action, message)
+        r = self.by_name.get(unit)
+        span = span_of(r.unit) if r is not None else None
+        if origin and span in self.spans and action in ("start", "ready", "verify"):
+            assert span is not None and r is not None
+            self.opts.spans.fail(span, f"{label(r.unit)}: {message}")
 
     def unit_dir(self, name: str) -> str:
         return f"{self.workdir}/units/{name}"
@@ -163,6 +176,13 @@ class HostRun:
 
     def deploy(self) -> None:
         """Orphans, environments, files, then services and jobs (DESIGN.md's order)."""
+        self.opts.spans.begin(self.spans, self.host.name)
+        try:
+            self._deploy()
+        finally:
+            self.opts.spans.end(self.spans, self.host.name)
+
+    def _deploy(self) -> None:
         facts = self.gather(probe=True)
         self._orphans()
         self.stage = stage = Stage(self, self.node, facts)
@@ -207,6 +227,7 @@ class HostRun:
             {c.name: c for c in changes},
             first=facts.probe.units if facts.probe is not None else None,
         )
+        self._settle_spans()
         self._run_jobs([c for c in changes if c.rendered.unit.kind == "job"], facts)
 
     def _notify(self, facts: HostFacts) -> list[tuple[bytes, str, int]]:
@@ -592,34 +613,98 @@ class HostRun:
             ):
                 del pending[name]
         while pending:
+            if self._span_casualties(pending):
+                continue
             now = time.monotonic()
             specs = [(probe_spec(r), max(0.0, deadline[n] - now)) for n, r in pending.items()]
             poll = min([POLL] + [ready_settings(r).interval for r in pending.values()])
-            reports = self.agent.wait(
+            stream = self.agent.wait(
                 self.workdir, specs, poll=poll, report_every=REPORT_EVERY, abort=self.opts.abort
             )
-            for report in reports:
-                for name, p in report.units.items():
-                    if name not in pending:
-                        continue
-                    late = time.monotonic() > deadline[name]
-                    if name not in report.done and not late:
-                        continue  # a progress line: the host's rule says it is not done yet
-                    late = late or name in report.done
-                    if self._judge(pending[name], p, changes.get(name), late, last):
-                        del pending[name]
-                if pending:
-                    self.board(
-                        self.host.name,
-                        f"{len(units) - len(pending)}/{len(units)} ready, waiting for "
-                        f"{', '.join(sorted(pending))} ({time.monotonic() - started:.0f}s)",
-                    )
+            with closing(stream) as reports:  # a break below ends the host's wait too
+                for report in reports:
+                    for name, p in report.units.items():
+                        if name not in pending:
+                            continue
+                        late = time.monotonic() > deadline[name]
+                        if name not in report.done and not late:
+                            continue  # a progress line: the host's rule says it is not done yet
+                        late = late or name in report.done
+                        if self._judge(pending[name], p, changes.get(name), late, last):
+                            del pending[name]
+                    if pending:
+                        self.board(
+                            self.host.name,
+                            f"{len(units) - len(pending)}/{len(units)} ready, waiting for "
+                            f"{', '.join(sorted(pending))} ({time.monotonic() - started:.0f}s)",
+                        )
+                    if any(self.opts.spans.failure(span_of(r.unit)) for r in pending.values()):
+                        break  # a part elsewhere failed: this wait ends now (the stream closes)
             if self.opts.abort.is_set():
                 raise Interrupted(
                     self.host.name,
                     f"interrupted while waiting for {', '.join(sorted(pending))}",
                 )
         self.board(self.host.name, "")
+
+    def _span_casualties(self, pending: dict[str, Rendered]) -> bool:
+        """Fail (and stop waiting for) the pending parts of units that failed elsewhere."""
+        hit = False
+        for name, r in list(pending.items()):
+            why = self._span_failure(r)
+            if why is not None:
+                del pending[name]
+                self.fail(name, "ready", f"not ready: {why}", False)
+                hit = True
+        return hit
+
+    def _span_failure(self, r: Rendered) -> str | None:
+        """Why the unit this part belongs to failed (None: it did not). The failing part's log
+        tail is told once per host: the host's first part to hear it."""
+        span = span_of(r.unit)
+        why = self.opts.spans.failure(span)
+        if why is None or span is None:
+            return None
+        if span in self.told:
+            first = why.splitlines()[0].removesuffix("; last lines of its log:")
+            why = f"{first} (its log is above)" if "\n" in why else first
+        self.told.add(span)
+        return f"{r.unit.service} failed: {why}"
+
+    def _settle_spans(self) -> None:
+        """Once the other hosts of this host's multi-host units are done with them too: a
+        failed unit stops on every host, its parts here included (even ready ones, and a
+        crashed one its supervisor would restart): one rank alone only holds GPUs."""
+        if not self.spans:
+            return
+        self.opts.spans.end(self.spans, self.host.name)
+        parts = [r for r in self.rendered if span_of(r.unit) in self.spans]
+        longest = max(ready_settings(r).timeout for r in parts)
+        self.opts.spans.settle(self.spans, self.host.name, longest + 30.0, self.opts.abort)
+        doomed = [r for r in parts if self.opts.spans.failure(span_of(r.unit)) is not None]
+        if not doomed:
+            return
+        for r in doomed:
+            self.ready.discard(r.unit.name)
+            if r.unit.name not in self.failed:
+                self.fail(r.unit.name, "ready", self._span_failure(r) or "", False)
+        self.check_abort()
+        results = self.agent.stop(
+            self.workdir,
+            [(r.unit.name, r.unit.spec.stop_grace) for r in doomed],
+            gpu_timeout=self.opts.gpu_timeout,
+        )
+        for r in doomed:
+            res = results.get(r.unit.name)
+            if res is None or not res.ok:
+                self.emit(r.unit.name, "failed", "stop", f"stop incomplete: {stop_problem(res)}")
+            elif res.was_running:
+                self.emit(
+                    r.unit.name,
+                    "changed",
+                    "stop",
+                    f"stopped with the rest of {r.unit.service} ({stopped_text(res)}; logs kept)",
+                )
 
     def _judge(
         self, r: Rendered, p: UnitProbe | None, c: Change | None, late: bool, last: dict[str, str]
@@ -636,7 +721,9 @@ class HostRun:
             )
             log = "\n".join(f"    {line}" for line in (p.log_tail or [])) or "    (log is empty)"
             then = ""
-            if restarting and p.supervisor is not None:
+            if span_of(r.unit) in self.spans:
+                then = "; the unit stops on every host"  # see _settle_spans
+            elif restarting and p.supervisor is not None:
                 then = (
                     f"; its supervisor restarts it ({restart_policy(r.unit)}, in "
                     f"{p.supervisor.next_start_in or 0:g}s): `dflashops stop --unit {name}` ends that"
@@ -654,10 +741,15 @@ class HostRun:
             last[name] = health_text(p)
             if late:
                 timeout = ready_settings(r).timeout
+                after = (
+                    "stopped with the unit's other parts (logs kept)"
+                    if span_of(r.unit) in self.spans
+                    else "left running for inspection"
+                )
                 self.fail(
                     name,
                     "ready",
-                    f"not ready after {timeout:.0f}s (last probe: {last[name]}); left running for inspection",
+                    f"not ready after {timeout:.0f}s (last probe: {last[name]}); {after}",
                 )
                 return True
             return False
@@ -749,6 +841,7 @@ def unit_record(r: Rendered, content: dict[str, str | None] | None = None) -> di
         "dp": u.dp,
         "playbook": u.playbook.name,
         "stop_grace": u.spec.stop_grace,
+        "stop_signal_to": "leader" if r.launch.stop_leader else "group",
         "supervise": policy(u),
         "content": content or {},
         "deployed_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -65,6 +65,9 @@ class Unit:
     rank: int | None = None
     head: str | None = None
     dist_port: int | None = None
+    # The API server of a vLLM service over a Ray cluster: the Ray nodes' addresses, head
+    # first (its Ray port is ``dist_port``); it serves once every one is in with its GPUs.
+    cluster: tuple[str, ...] = ()
 
     @property
     def multi_node(self) -> bool:
@@ -495,6 +498,8 @@ def _service_units(
         return []
     base_port = svc.port or DEFAULT_PORTS.get(svc.engine)
     rank = nodes.index(host.name) if nodes else None
+    if isinstance(svc, VllmService) and svc.backend == "ray" and rank is not None:
+        return _ray_units(host, book, svc, source, allocator, where_gpus, inventory, nodes, rank)
     if rank:  # a worker rank serves no HTTP: readiness and identity are the head's
         base_port = None
     units = []
@@ -528,6 +533,59 @@ def _service_units(
             )
         )
     return units
+
+
+def _ray_units(
+    host: Host,
+    book: Playbook,
+    svc: VllmService,
+    source: PathKey,
+    allocator: _GpuAllocator,
+    where_gpus: Where,
+    inventory: Inventory,
+    nodes: list[str],
+    rank: int,
+) -> list[Unit]:
+    """vLLM over Ray: every node runs the Ray part ``NAME-ray`` (the head on the first node,
+    holding this node's GPUs); the first node also runs the API server ``NAME-0``, which holds
+    no GPU of its own (Ray's workers on every node do) and starts serving once the cluster
+    shows every node with its GPUs."""
+    per_node = gpus_of(svc) // len(nodes)
+    head = inventory.hosts[nodes[0]].dial_address
+    name = f"{svc.name}-ray"
+    if isinstance(svc.gpus, list):
+        gpus = allocator.claim(svc.gpus, name, where_gpus)
+    else:
+        gpus = allocator.take(per_node, name, where_gpus)
+    ray = Unit(
+        name=name,
+        host=host,
+        kind="service",
+        engine="ray",
+        playbook=book,
+        spec=svc,
+        source=source,
+        service=svc.name,
+        replica=0,
+        gpus=gpus,
+        nodes=tuple(nodes),
+        rank=rank,
+        head=head,
+        dist_port=svc.dist_port,
+    )
+    if rank:
+        return [ray]
+    server = replace(
+        ray,
+        name=f"{svc.name}-0",
+        engine="vllm",
+        port=svc.port or DEFAULT_PORTS["vllm"],
+        gpus=(),
+        nodes=(),
+        rank=None,
+        cluster=tuple(inventory.hosts[n].dial_address for n in nodes),
+    )
+    return [ray, server]
 
 
 def _check_names(units: list[Unit]) -> list[Problem]:

@@ -15,7 +15,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -383,7 +383,7 @@ class Agent:
         report_every: float,
         abort: threading.Event,
         http_timeout: float = 5.0,
-    ) -> Iterator[WaitReport]:
+    ) -> Generator[WaitReport, None, None]:
         """Wait on the host for each ``(spec, seconds left)`` unit to be ready, dead or out of
         time: ONE remote command, whose reports come as they happen (a unit done) and every
         ``report_every`` seconds. Setting ``abort`` ends it within a fraction of a second: the

@@ -251,25 +251,34 @@ class VllmService(ModelService):
         Field(
             min_length=1,
             description="Hosts (or groups) the server spans, in rank order (the first serves the "
-            "API). Needs `backend`; tp*pp*dp count every node.",
+            "API). Needs `backend`; tp*pp*dp count every node, each node gives tp*pp*dp/len(nodes) GPUs.",
         ),
     ] = None
     backend: Annotated[
-        Literal["native"] | None,
+        Literal["native", "ray"] | None,
         Field(
-            description="How vLLM spans nodes: native (vLLM's own --nnodes, --node-rank, "
-            "--master-addr, --master-port; --headless on the other nodes). ray: not built yet."
+            description="How vLLM spans nodes. native: vLLM's own --nnodes, --node-rank, "
+            "--master-addr, --master-port (--headless on the other nodes). ray: a Ray cluster "
+            "(`ray start --block`, unit NAME-ray on every node, head on the first), then "
+            "`vllm serve --distributed-executor-backend ray` on the first node once the cluster "
+            "shows every node with its GPUs."
         ),
     ] = None
-    dist_port: Annotated[Port, Field(description="vLLM's --master-port, on the first node.")] = (
-        29501
-    )
+    dist_port: Annotated[
+        Port,
+        Field(
+            description="On the first node: vLLM's --master-port (native) or the Ray head's "
+            "--port (ray)."
+        ),
+    ] = 29501
 
     @model_validator(mode="after")
     def _nodes_need_a_backend(self) -> VllmService:
         if self.nodes is not None:
             if self.backend is None:
-                raise ValueError("a vLLM service over several nodes needs `backend: native`")
+                raise ValueError(
+                    "a vLLM service over several nodes needs `backend: native` or `backend: ray`"
+                )
             if self.replicas != 1:
                 raise ValueError("a service over several nodes has one replica (`replicas: 1`)")
             if self.launcher is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,8 @@ def launch_for(unit: Unit) -> Launch:
             health_path=spec.ready.path or "/health",
         )
     assert isinstance(spec, VllmService)
+    if unit.engine == "ray":
+        return _ray_node(unit, python)
     vllm_args = [
         "--host",
         spec.bind,
@@ -75,6 +78,8 @@ def launch_for(unit: Unit) -> Launch:
         *to_flags(spec.args),
     ]
     health = spec.ready.path or "/health"
+    if unit.cluster:
+        return _vllm_on_ray(unit, spec, python, vllm_args, health)
     if spec.launcher is None:
         env = _node_env(unit)
         if unit.multi_node:
@@ -136,6 +141,72 @@ def _vllm_nodes(unit: Unit) -> list[str]:
         str(unit.dist_port),
     ]
     return [*flags, "--headless"] if unit.rank else flags
+
+
+def _ray_node(unit: Unit, python: Token) -> Launch:
+    """A node of a Ray cluster: ``ray start --block`` as the unit's process (stop TERMs it and
+    it ends its own raylet, GCS and workers; ``ray stop`` would end every Ray on the machine).
+    The head (rank 0) listens on ``dist_port``; the others join it there."""
+    assert isinstance(python, (HostPath, EnvPython))
+    where = (
+        ["--head", "--port", str(unit.dist_port)]
+        if unit.rank == 0
+        else ["--address", f"{unit.head}:{unit.dist_port}"]
+    )
+    argv: list[Token] = [
+        BesideTool(python, "ray"),
+        "start",
+        "--block",
+        *where,
+        "--node-ip-address",
+        unit.host.dial_address,
+        "--num-gpus",
+        str(len(unit.gpus)),
+        # Its own folder: two nodes of two clusters on one machine never share /tmp/ray. Short,
+        # because Ray puts AF_UNIX sockets under it (at most 107 bytes a path).
+        "--temp-dir",
+        ray_temp_dir(unit),
+        "--disable-usage-stats",
+    ]
+    env = {**_node_env(unit), "VLLM_HOST_IP": unit.host.dial_address}  # Ray's vLLM workers
+    return Launch(argv, health_path=None, env=env, stop_leader=True)
+
+
+def ray_temp_dir(unit: Unit) -> str:
+    key = "\0".join((unit.host.name, unit.host.workdir, unit.name)).encode()
+    return f"/tmp/dflashops-ray-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def _vllm_on_ray(
+    unit: Unit, spec: VllmService, python: Token, vllm_args: list[str], health: str
+) -> Launch:
+    """The API server of a vLLM service over Ray, on the head node: dflashops' ray_cluster
+    payload waits until the cluster shows every node with its GPUs, then execs ``vllm serve``
+    (same process, so the unit's pid and log stay), which joins the cluster at RAY_ADDRESS."""
+    wait = ShippedFile.of(resolve_file("dflashops:ray_cluster", Path()))
+    address = f"{unit.cluster[0]}:{unit.dist_port}"
+    flags = [*vllm_args, "--distributed-executor-backend", "ray"]
+    nodes = [a for ip in unit.cluster for a in ("--node", ip)]
+    argv: list[Token] = [
+        python,
+        WorkPath(wait.remote),
+        "--address",
+        address,
+        *nodes,
+        "--gpus",
+        str(spec.tp * spec.pp * spec.dp),
+        "--timeout",
+        f"{spec.ready.timeout:g}",
+        "--",
+        python,
+        "-m",
+        "vllm.entrypoints.cli.main",
+        "serve",
+        spec.model,
+        *flags,
+    ]
+    env = {"RAY_ADDRESS": address, "VLLM_HOST_IP": unit.cluster[0]}
+    return Launch(argv, flags, files=[wait], health_path=health, env=env)
 
 
 def _node_env(unit: Unit) -> dict[str, str]:

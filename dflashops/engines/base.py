@@ -81,6 +81,11 @@ class Launch:
     health_path: str | None = None
     problems: list[Problem] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # set by the engine (the unit's env wins)
+    # Stop TERMs only the process the launch script exec'd, not its whole group: `ray start
+    # --block` then ends its own raylet, GCS and workers in order in a few seconds, where a
+    # group-wide TERM leaves it waiting about 30 s on a GCS that is already gone. KILL after
+    # the grace still takes the whole group.
+    stop_leader: bool = False
 
 
 def to_flags(args: dict[str, Any]) -> list[str]:

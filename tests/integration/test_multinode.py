@@ -4,13 +4,16 @@ rank has connected), live pre-flight's rendezvous check, deploy, status, no-op, 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
+import sys
 from collections.abc import Callable
 
 from fleet import FleetFactory
 from lifecycle_helpers import MODEL, READY, Ops, http_json, unit_dir
 
+from tests.conftest import unless
 from tests.procs import free_ports, wait_for
 
 
@@ -209,3 +212,138 @@ def test_a_two_node_vllm_service_on_vllms_native_backend(
     assert down.code == 0, down.explain()
     for h in ("h0", "h1"):
         assert down.of("big-0", host=h, action="stop", status="changed"), down.explain()
+
+
+HAS_RAY = importlib.util.find_spec("ray") is not None
+
+
+@unless(HAS_RAY, "ray is not installed in the test environment (dev/setup.sh dev installs it)")
+def test_a_two_node_vllm_service_over_a_real_ray_cluster(
+    fleet_factory: FleetFactory, ops: Callable[..., Ops]
+) -> None:
+    """Real Ray (the `ray` CLI beside the hosts' python): a head and a worker node as units
+    big-ray on h0 and h1, then the API server big-0 on h0, which the fake vLLM serves only once
+    its placement group of tp x pp GPUs fits on the cluster."""
+    fleet = fleet_factory(h0={"gpus": 2}, h1={"gpus": 2})
+    ray_python = {"python": sys.executable}  # the test venv's: it has ray, and bin/ray beside it
+    ctl = ops(fleet, hosts={"h0": ray_python, "h1": ray_python})
+    port, gcs = free_ports(1), free_ports(1)
+    model = fleet["h0"].dir / "models" / "big"  # Ray's workers load it on every node
+    model.mkdir(parents=True)
+    ctl.playbook(
+        "big",
+        {
+            "hosts": ["h0", "h1"],
+            "services": [
+                {
+                    "name": "big",
+                    "engine": "vllm",
+                    "model": str(model),
+                    "nodes": ["h0", "h1"],
+                    "backend": "ray",
+                    "tp": 2,
+                    "pp": 2,
+                    "port": port,
+                    "dist_port": gcs,
+                    "ready": {"timeout": "120s", "interval": "0.5s"},
+                    "stop_grace": "20s",
+                }
+            ],
+        },
+    )
+    live = ctl.run("preflight", "--live", json_events=False)
+    assert live.code == 0, live.out
+
+    up = ctl.run("deploy")
+    assert up.code == 0, up.explain()
+    for h in ("h0", "h1"):
+        assert up.of("big-ray", host=h, action="start", status="changed"), up.explain()
+    assert up.of("big-0", host="h0", action="ready", status="changed"), up.explain()
+    assert not [e for e in up.events if e["host"] == "h1" and e["unit"] == "big-0"]
+    roots = [m["root"] for m in http_json(port, "/v1/models")["data"]]
+    assert roots == [str(model)]
+    server_log = (unit_dir(fleet["h0"], "big-0") / "logs" / "current.log").read_text()
+    assert "ray cluster: 2 of 2 nodes, 4 of 4 GPUs: complete" in server_log, server_log
+    assert "4 Ray workers on 2 node(s)" in server_log, server_log
+    assert "--distributed-executor-backend ray" in server_log
+    head_script = (unit_dir(fleet["h0"], "big-ray") / "launch.sh").read_text()
+    worker_script = (unit_dir(fleet["h1"], "big-ray") / "launch.sh").read_text()
+    assert f"--head --port {gcs}" in head_script
+    assert f"--address {fleet['h0'].address}:{gcs}" in worker_script
+    assert f"--node-ip-address {fleet['h1'].address}" in worker_script
+
+    status_path = ctl.base / "status.json"
+    status = ctl.run("status", "--json", str(status_path), json_events=False)
+    assert status.code == 0, status.out
+    rows = {
+        (r["host"], r.get("unit")): r for r in map(json.loads, status_path.read_text().splitlines())
+    }
+    assert (rows[("h0", "big-ray")]["rank"], rows[("h1", "big-ray")]["rank"]) == (0, 1), rows
+    assert rows[("h0", "big-0")]["rank"] is None and rows[("h0", "big-0")]["state"] == "ready"
+    assert "big-ray [rank 1/2]" in status.out, status.out
+
+    again = ctl.run("deploy")
+    assert again.code == 0, again.explain()
+    assert {e["status"] for e in again.events if e["unit"]} <= {"ok", "info"}, again.explain()
+
+    down = ctl.run("stop")
+    assert down.code == 0, down.explain()
+    for h, unit in (("h0", "big-0"), ("h0", "big-ray"), ("h1", "big-ray")):
+        stopped = down.of(unit, host=h, action="stop", status="changed")
+        assert stopped and "by SIGTERM" in stopped[0]["message"], down.explain()
+
+
+@unless(HAS_RAY, "ray is not installed in the test environment (dev/setup.sh dev installs it)")
+def test_a_ray_node_that_cannot_start_fails_the_whole_unit_at_once_on_every_host(
+    fleet_factory: FleetFactory, ops: Callable[..., Ops]
+) -> None:
+    """h1's python has no Ray beside it and none is on its PATH: its Ray node dies at once.
+    The API server on h0, waiting for the cluster, fails then too (not at its 120 s ready
+    timeout), naming h1's rank and its log tail, and every part stops on both hosts."""
+    fleet = fleet_factory(h0={"gpus": 2}, h1={"gpus": 2})
+    ctl = ops(fleet, hosts={"h0": {"python": sys.executable}, "h1": {}})  # h1: system python
+    port, gcs = free_ports(1), free_ports(1)
+    model = fleet["h0"].dir / "models" / "big"
+    model.mkdir(parents=True)
+    ctl.playbook(
+        "big",
+        {
+            "hosts": ["h0", "h1"],
+            "services": [
+                {
+                    "name": "big",
+                    "engine": "vllm",
+                    "model": str(model),
+                    "nodes": ["h0", "h1"],
+                    "backend": "ray",
+                    "tp": 2,
+                    "pp": 2,
+                    "port": port,
+                    "dist_port": gcs,
+                    "ready": {"timeout": "120s", "interval": "0.5s"},
+                    "stop_grace": "20s",
+                }
+            ],
+        },
+    )
+    up = ctl.run("deploy")
+    assert up.code != 0, up.explain()
+    assert up.seconds < 60, up.explain()
+    (dead,) = up.of("big-ray", host="h1", action="ready", status="failed")
+    assert "died while starting" in dead["message"] and "ray" in dead["message"], up.explain()
+    (server,) = up.of("big-0", host="h0", action="ready", status="failed")
+    assert "big failed: big-ray (rank 1 of 2) on h1: died while starting" in server["message"]
+    assert up.of("big-ray", host="h0", action="ready", status="failed"), up.explain()
+    for h, unit in (("h0", "big-0"), ("h0", "big-ray")):
+        (stopped,) = up.of(unit, host=h, action="stop", status="changed")
+        assert "stopped with the rest of big" in stopped["message"], up.explain()
+    status_path = ctl.base / "status.json"
+    ctl.run("status", "--json", str(status_path), json_events=False)
+    states = {
+        (r["host"], r.get("unit")): r["state"]
+        for r in map(json.loads, status_path.read_text().splitlines())
+        if r.get("unit")
+    }
+    assert all(state in ("stopped", "failed", "exited", "crashed") for state in states.values()), (
+        states
+    )

@@ -247,8 +247,8 @@ CHOICE_FIELDS = [
     ),
     (
         "playbooks/p.yaml",
-        "name: p\nhosts: a\nservices:\n  - {name: v, engine: vllm, model: m, backend: ray}\n",
-        "services[0].backend: must be one of native (got 'ray')",
+        "name: p\nhosts: a\nservices:\n  - {name: v, engine: vllm, model: m, backend: slurm}\n",
+        "services[0].backend: must be one of native, ray (got 'slurm')",
     ),
 ]
 

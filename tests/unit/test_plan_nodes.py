@@ -255,10 +255,10 @@ def test_vllm_over_nodes_needs_a_backend_and_an_even_split(write_tree: WriteTree
 
     from dflashops.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="needs `backend: native`"):
+    with pytest.raises(ConfigError, match="needs `backend: native` or `backend: ray`"):
         plan_of(write_tree, "{name: v, engine: vllm, model: /m, nodes: [a, b]}")
-    with pytest.raises(ConfigError, match="must be one of native"):
-        plan_of(write_tree, "{name: v, engine: vllm, model: /m, nodes: [a, b], backend: ray}")
+    with pytest.raises(ConfigError, match="must be one of native, ray"):
+        plan_of(write_tree, "{name: v, engine: vllm, model: /m, nodes: [a, b], backend: mpi}")
     uneven = plan_of(
         write_tree,
         "{name: v, engine: vllm, model: /m, nodes: [a, b, c], backend: native, tp: 2, pp: 2}",
@@ -267,3 +267,53 @@ def test_vllm_over_nodes_needs_a_backend_and_an_even_split(write_tree: WriteTree
         "tp 2 x pp 2 x dp 1 = 4 GPUs do not split evenly over 3 nodes" in m
         for m in messages(uneven)
     )
+
+
+def test_vllm_over_ray_a_ray_node_on_each_host_and_the_api_server_on_the_first(
+    write_tree: WriteTree,
+) -> None:
+    plan = plan_of(
+        write_tree,
+        "{name: big, engine: vllm, model: /m, nodes: [a, b], backend: ray, tp: 4, pp: 2,"
+        " port: 8000, dist_port: 6380, ready: {timeout: 15m}}",
+    )
+    assert messages(plan) == []
+    env = make_environment([])
+    head_ray, server = plan.hosts["a"].units
+    (worker_ray,) = plan.hosts["b"].units
+    assert [u.name for u in (head_ray, server, worker_ray)] == ["big-ray", "big-0", "big-ray"]
+    assert (head_ray.rank, worker_ray.rank, server.rank) == (0, 1, None)
+    assert len(head_ray.gpus) == len(worker_ray.gpus) == 4 and server.gpus == ()
+    assert server.port == 8000 and head_ray.port is None and worker_ray.port is None
+
+    head = launch_for(head_ray)
+    assert head.stop_leader and head.health_path is None
+    argv = render_unit(env, head_ray).script
+    assert "start --block --head --port 6380 --node-ip-address 10.0.0.10 --num-gpus 4" in argv
+    assert "/tmp/dflashops-ray-" in argv and "--disable-usage-stats" in argv
+    worker = render_unit(env, worker_ray).script
+    assert "--address 10.0.0.10:6380 --node-ip-address 203.0.113.11 --num-gpus 4" in worker
+    assert "export VLLM_HOST_IP=203.0.113.11" in worker
+    # Each node's Ray gets its own temp folder (two clusters on one machine never share one).
+    assert launch_for(head_ray).argv[-2] != launch_for(worker_ray).argv[-2]
+
+    served = launch_for(server)
+    assert served.engine_args[-2:] == ["--distributed-executor-backend", "ray"]
+    assert "--nnodes" not in served.engine_args and not served.stop_leader
+    script = render_unit(env, server).script
+    assert (
+        "--address 10.0.0.10:6380 --node 10.0.0.10 --node 203.0.113.11 --gpus 8 --timeout 900 --"
+        in script
+    )
+    assert "export RAY_ADDRESS=10.0.0.10:6380" in script
+    assert [f.name for f in served.files] == ["ray_cluster.py"]
+
+
+def test_vllm_over_ray_checks_the_split_and_the_ray_port_like_any_multi_node_unit(
+    write_tree: WriteTree,
+) -> None:
+    short = plan_of(
+        write_tree,
+        "{name: big, engine: vllm, model: /m, nodes: [a, b], backend: ray, tp: 8, pp: 4}",
+    )
+    assert any("needs 16 GPUs" in m and "host a has" in m for m in messages(short)), messages(short)

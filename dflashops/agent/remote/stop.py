@@ -144,9 +144,32 @@ def terminate(units: list[Stopping], boot: str | None) -> None:
         u.seen.update(alive)
         # First: the supervisor must never start it again (even if it is crashing right now).
         write_json_atomic(os.path.join(u.dir, STOP_MARK), {"at": now_iso()})
+        leader = leader_to_term(u.dir, alive)
+        if leader is not None:
+            try:
+                os.kill(leader, signal.SIGTERM)
+            except ProcessLookupError:
+                pass  # it ended meanwhile: the rest goes at the grace
+            except OSError as exc:
+                u.fail(f"cannot send SIGTERM to pid {leader}: {describe(exc)}")
+            continue
         problem = ownership.signal_members(u.rec, boot, alive, signal.SIGTERM)
         if problem:
             u.fail(problem)
+
+
+def leader_to_term(folder: str, alive: list[int]) -> int | None:
+    """The one process a unit recorded as ``stop_signal_to: leader`` wants TERMed (what its
+    launch script exec'd, e.g. ``ray start --block``, which ends its own children in order),
+    when it is a proven member still running; else None: the whole group gets it."""
+    try:
+        record = read_json_object(os.path.join(folder, "unit.json")) or {}
+        if record.get("stop_signal_to") != "leader":
+            return None
+        child = (read_json_object(os.path.join(folder, "supervisor.json")) or {}).get("child_pid")
+    except (OSError, ValueError):
+        return None
+    return child if isinstance(child, int) and child in alive else None
 
 
 def wait_gone(units: list[Stopping], boot: str | None, started: float, kill_wait: float) -> None:

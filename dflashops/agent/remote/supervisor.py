@@ -60,6 +60,7 @@ class Supervisor:
         record = read_json_object(os.path.join(folder, "unit.json")) or {}
         self.name = str(record.get("unit") or os.path.basename(folder))
         self.policy: Json = record.get("supervise") or {}
+        self.term_leader = record.get("stop_signal_to") == "leader"  # see stop.leader_to_term
         self.restarts = 0
         self.streak = 0  # crashes in a row (a run longer than the backoff's max ends a streak)
         self.history: list[Json] = []
@@ -162,6 +163,9 @@ class Supervisor:
         """TERM the unit's processes, KILL what is left after the grace: never ourselves."""
         for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
             pids = self.others()
+            child = self.child.pid if self.child is not None else None
+            if sig == signal.SIGTERM and self.term_leader and child in pids:
+                pids = [child]  # it ends its own children in order
             for pid in pids:
                 with contextlib.suppress(OSError):
                     os.kill(pid, sig)

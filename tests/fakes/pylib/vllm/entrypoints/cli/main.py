@@ -62,6 +62,8 @@ from _fakeengine import cuda_invalid_ordinal, load_flags, load_stub, say, timest
 import vllm
 
 DP_CRASH_DELAY = 1.0
+PG_WAIT_TIMEOUT = 60  # vLLM's own, for a placement group that does not fit
+RAY_WATCH_SECONDS = 1.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=29501)
     p.add_argument("--headless", action="store_true")
+    p.add_argument(
+        "--distributed-executor-backend", choices=["ray", "mp", "uni", "external_launcher"]
+    )
     return p
 
 
@@ -92,6 +97,7 @@ NODE_DEFAULTS = {
     "headless": False,
     "master_addr": "127.0.0.1",
     "master_port": 29501,
+    "distributed_executor_backend": None,
 }
 
 
@@ -330,6 +336,8 @@ def serve(argv: list[str]) -> int:
     _log("INFO", "utils.py:233", f"non-default args: {shown}")
     say("[fake vllm: dflashops test double, CPU only]")
 
+    if args.distributed_executor_backend == "ray":
+        return _on_ray(args, model, tp * dp * pp)
     cfg = _fakegpu.load_config()
     visible = _fakegpu.visible_gpus(cfg)
     if (tp * dp * pp) % args.nnodes:
@@ -364,6 +372,81 @@ def serve(argv: list[str]) -> int:
     if args.nnodes > 1:
         return _head(stub, settings, args, gpu)
     return _run_api_server(stub, settings)
+
+
+# --------------------------------------------------------------------------- Ray
+
+
+def _on_ray(args: argparse.Namespace, model: str, world: int) -> int:
+    """vLLM's Ray executor, on a real Ray cluster: join it at RAY_ADDRESS (ray.init), refuse a
+    cluster with fewer GPUs than tp * pp * dp, reserve them as a placement group (one GPU a
+    bundle, as vLLM does; no actor is started), serve, and exit 1 when a node that holds part
+    of the group dies (vLLM's Ray workers die with their node)."""
+    address = os.environ.get("RAY_ADDRESS") or "auto"
+    _log("INFO", "ray_utils.py:334", f"Connecting to existing Ray cluster at address: {address}.")
+    try:
+        import ray
+        from ray.util.placement_group import placement_group
+    except ImportError as exc:
+        _log("ERROR", "ray_utils.py:51", f"Failed to import Ray: {exc!r}", err=True)
+        return 1
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except (ConnectionError, RuntimeError) as exc:
+        say(f"ConnectionError: {exc}", sys.stderr)
+        return 1
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if world > gpus:
+        say(
+            "ValueError: The number of required GPUs exceeds the total number of available "
+            f"GPUs in the placement group. (required {world}, the cluster has {gpus:g})",
+            sys.stderr,
+        )
+        return 1
+    group = placement_group([{"GPU": 1.0}] * world, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=PG_WAIT_TIMEOUT)
+    except ray.exceptions.GetTimeoutError:
+        say(
+            f"ValueError: Cannot provide a placement group of placement_group_specs="
+            f"{[{'GPU': 1.0}] * world} within {PG_WAIT_TIMEOUT} seconds. See `ray status` and "
+            "`ray list nodes` to make sure the cluster has enough resources.",
+            sys.stderr,
+        )
+        return 1
+    nodes = set(ray.util.placement_group_table(group).get("bundles_to_node_id", {}).values())
+    _log("INFO", "ray_distributed_executor.py:180", f"{world} Ray workers on {len(nodes)} node(s)")
+    threading.Thread(target=_watch_ray, args=(ray, nodes), daemon=True).start()
+    settings = {
+        "model_path": model,
+        "host": args.host or "127.0.0.1",
+        "port": args.port,
+        "tp_size": args.tensor_parallel_size,
+        "dp_size": args.data_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
+        "served_model_name": (args.served_model_name or [model])[0],
+        "api_key": args.api_key,
+        "context_length": args.max_model_len or 32768,
+        "reasoning_parser": args.reasoning_parser,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
+    return _run_api_server(load_stub(), settings)
+
+
+def _watch_ray(ray: Any, nodes: set[str]) -> None:
+    while True:
+        time.sleep(RAY_WATCH_SECONDS)
+        try:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception as exc:  # the GCS itself is gone: so is the cluster
+            lost = f"the Ray cluster is gone ({type(exc).__name__})"
+        else:
+            if nodes <= alive:
+                continue
+            lost = f"node(s) {', '.join(sorted(nodes - alive))} died"
+        say(f"ray.exceptions.ActorDiedError: The actor died unexpectedly: {lost}", sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> int:
