@@ -227,7 +227,7 @@ class HostRun:
             {c.name: c for c in changes},
             first=facts.probe.units if facts.probe is not None else None,
         )
-        self._settle_spans()
+        self._settle_spans(self.spans)
         self._run_jobs([c for c in changes if c.rendered.unit.kind == "job"], facts)
 
     def _notify(self, facts: HostFacts) -> list[tuple[bytes, str, int]]:
@@ -484,7 +484,15 @@ class HostRun:
         """Restart every service unit, even unchanged ones. Rolling: one replica at a time,
         the next only when the previous is ready again, so the fleet keeps serving; the roll
         stops at the first replica that does not come back, leaving the rest on the old,
-        healthy processes."""
+        healthy processes. A unit over several hosts is one replica: its parts restart
+        together on all its hosts, before this host's other replicas."""
+        self.opts.spans.begin(self.spans, self.host.name)
+        try:
+            self._restart_services(rolling)
+        finally:
+            self.opts.spans.end(self.spans, self.host.name)
+
+    def _restart_services(self, rolling: bool) -> None:
         facts = self.gather()
         changes = [
             c for c in plan_changes(self.rendered, facts) if c.rendered.unit.kind == "service"
@@ -494,15 +502,19 @@ class HostRun:
             c.action = "restart" if uf is not None and uf.running else "start"
             c.reason = "restart-servers"
         self._ship([], payloads=changes)
-        batches = [[c] for c in changes] if rolling else [changes]
+        batches = replica_batches(changes) if rolling else [changes]
         for i, batch in enumerate(batches):
             batch = [c for c in batch if self._may_run(c, facts)]
+            spans = {s for c in batch if (s := span_of(c.rendered.unit)) in self.spans}
+            for span in sorted(spans):  # the hosts of a unit over several restart it together
+                self.opts.spans.meet(span, self.host.name, MEET_TIMEOUT, self.opts.abort)
             self._stop([c for c in batch if c.action == "restart"])
             self._ship([c for c in batch if c.name not in self.failed])
             self._start([c for c in batch if c.name not in self.failed])
             self._wait_ready(
                 [c.rendered for c in batch if c.name not in self.failed], {c.name: c for c in batch}
             )
+            self._settle_spans(spans)
             if rolling and any(c.name in self.failed for c in batch):
                 for rest in (c for later in batches[i + 1 :] for c in later):
                     self.emit(
@@ -671,16 +683,16 @@ class HostRun:
         self.told.add(span)
         return f"{r.unit.service} failed: {why}"
 
-    def _settle_spans(self) -> None:
-        """Once the other hosts of this host's multi-host units are done with them too: a
-        failed unit stops on every host, its parts here included (even ready ones, and a
-        crashed one its supervisor would restart): one rank alone only holds GPUs."""
-        if not self.spans:
+    def _settle_spans(self, spans: set[str]) -> None:
+        """Once the other hosts of these multi-host units are done with them too: a failed
+        unit stops on every host, its parts here included (even ready ones, and a crashed one
+        its supervisor would restart): one rank alone only holds GPUs."""
+        if not spans:
             return
-        self.opts.spans.end(self.spans, self.host.name)
-        parts = [r for r in self.rendered if span_of(r.unit) in self.spans]
+        self.opts.spans.end(spans, self.host.name)
+        parts = [r for r in self.rendered if span_of(r.unit) in spans]
         longest = max(ready_settings(r).timeout for r in parts)
-        self.opts.spans.settle(self.spans, self.host.name, longest + 30.0, self.opts.abort)
+        self.opts.spans.settle(spans, self.host.name, longest + 30.0, self.opts.abort)
         doomed = [r for r in parts if self.opts.spans.failure(span_of(r.unit)) is not None]
         if not doomed:
             return
@@ -813,6 +825,24 @@ class HostRun:
                 if not c.runs_after:
                     self.emit(c.name, "ok", "verify", c.reason)
                 self.ready.add(c.name)
+
+
+MEET_TIMEOUT = 120.0  # s a host waits for the other hosts of a unit to restart it together
+
+
+def replica_batches(changes: list[Change]) -> list[list[Change]]:
+    """A rolling restart's steps: the parts of each unit over several hosts together, first,
+    in the same order on every host (so the hosts meet on them in turn); then each other
+    replica alone."""
+    spans: dict[str, list[Change]] = {}
+    alone: list[list[Change]] = []
+    for c in changes:
+        span = span_of(c.rendered.unit)
+        if span is None:
+            alone.append([c])
+        else:
+            spans.setdefault(span, []).append(c)
+    return [spans[s] for s in sorted(spans)] + alone
 
 
 def health_text(p: UnitProbe) -> str:

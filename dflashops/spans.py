@@ -40,6 +40,7 @@ class Spans:
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _failed: dict[str, str] = field(default_factory=dict)
     _working: dict[str, set[str]] = field(default_factory=dict)  # span -> hosts on it
+    _arrived: dict[str, set[str]] = field(default_factory=dict)  # span -> hosts at the meeting
 
     def begin(self, spans: Iterable[str], host: str) -> None:
         with self._cond:
@@ -76,3 +77,17 @@ class Spans:
                 if not others or left <= 0:
                     return
                 self._cond.wait(min(left, 0.25))  # 0.25: Ctrl-C is seen soon
+
+    def meet(self, span: str, host: str, timeout: float, abort: threading.Event) -> None:
+        """Wait until every host working on ``span`` is here too (or ``timeout``, or
+        Ctrl-C), so that its parts restart together: a rolling restart's one replica."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            here = self._arrived.setdefault(span, set())
+            here.add(host)
+            self._cond.notify_all()
+            while not abort.is_set():
+                left = deadline - time.monotonic()
+                if self._working.get(span, set()) <= here or left <= 0:
+                    return
+                self._cond.wait(min(left, 0.25))

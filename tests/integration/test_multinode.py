@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import socket
 import sys
+import urllib.request
 from collections.abc import Callable
 
-from fleet import FleetFactory
+from fleet import FleetFactory, FleetHost
 from lifecycle_helpers import MODEL, READY, Ops, http_json, unit_dir
 
 from tests.conftest import unless
@@ -247,6 +250,7 @@ def test_a_two_node_vllm_service_over_a_real_ray_cluster(
                     "dist_port": gcs,
                     "ready": {"timeout": "120s", "interval": "0.5s"},
                     "stop_grace": "20s",
+                    "restart_backoff": {"initial": "1s", "max": "2s"},
                 }
             ],
         },
@@ -285,6 +289,25 @@ def test_a_two_node_vllm_service_over_a_real_ray_cluster(
     again = ctl.run("deploy")
     assert again.code == 0, again.explain()
     assert {e["status"] for e in again.events if e["unit"]} <= {"ok", "info"}, again.explain()
+
+    # A node that crashes after ready: its supervisor ends what is left of it (Ray's raylet
+    # goes, the cluster marks the node dead), the API server's Ray workers die with it and the
+    # server exits; both supervisors restart their part and the unit forms again.
+    server_restarts = restarts_of(fleet["h0"], "big-0")
+    ray_leader = json.loads((unit_dir(fleet["h1"], "big-ray") / "supervisor.json").read_text())
+    os.kill(int(ray_leader["child_pid"]), signal.SIGKILL)
+    wait_for(
+        "the API server to restart and serve again",
+        lambda: (
+            restarts_of(fleet["h0"], "big-0") > server_restarts
+            and restarts_of(fleet["h1"], "big-ray") >= 1
+            and healthy(port)
+        ),
+        timeout=90,
+        every=0.5,
+    )
+    server_log = (unit_dir(fleet["h0"], "big-0") / "logs" / "current.log").read_text()
+    assert "ray cluster: 2 of 2 nodes, 4 of 4 GPUs: complete" in server_log, server_log
 
     down = ctl.run("stop")
     assert down.code == 0, down.explain()
@@ -347,3 +370,48 @@ def test_a_ray_node_that_cannot_start_fails_the_whole_unit_at_once_on_every_host
     assert all(state in ("stopped", "failed", "exited", "crashed") for state in states.values()), (
         states
     )
+
+
+def restarts_of(host: FleetHost, unit: str) -> int:
+    try:
+        return int(json.loads((unit_dir(host, unit) / "supervisor.json").read_text())["restarts"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as answer:
+            return bool(answer.status == 200)
+    except OSError:
+        return False
+
+
+def test_a_rolling_restart_restarts_a_two_node_unit_as_one_replica_on_both_hosts(
+    fleet_factory: FleetFactory, ops: Callable[..., Ops]
+) -> None:
+    """The ranks of `big` restart together on h0 and h1 (one step of the roll, met on both
+    hosts), before h0's own replica `solo-0`, which restarts only once `big` is ready again."""
+    fleet = fleet_factory(h0={"gpus": 3}, h1={"gpus": 2})
+    ctl = ops(fleet)
+    port, dist, solo = free_ports(1), free_ports(1), free_ports(1)
+    model = fleet["h0"].dir / "models" / "big"
+    model.mkdir(parents=True)
+    # solo comes first in h0's own order, and takes 4 s to be ready: a roll that took units
+    # one by one per host would restart big's head 4 s after its worker.
+    slow = {"DFLASHOPS_STUB_STARTUP_SECONDS": "4"}
+    solo_book = {"name": "solo", "engine": "stub", "model": MODEL, "port": solo, "env": slow}
+    ctl.playbook("solo", {"hosts": ["h0"], "services": [{**solo_book, "ready": READY}]})
+    ctl.playbook("big", two_node_book(port, dist, str(model)))
+    up = ctl.run("deploy")
+    assert up.code == 0, up.explain()
+
+    roll = ctl.run("restart-servers")
+    assert roll.code == 0, roll.explain()
+    (head,) = roll.of("big-0", host="h0", action="restart", status="changed")
+    (worker,) = roll.of("big-0", host="h1", action="restart", status="changed")
+    (ready,) = roll.of("big-0", host="h0", action="ready", status="changed")
+    (alone,) = roll.of("solo-0", host="h0", action="restart", status="changed")
+    assert abs(head["time"] - worker["time"]) < 3.0, roll.explain()  # together
+    assert ready["time"] <= alone["time"], roll.explain()  # one replica at a time
+    assert http_json(port, "/server_info")["nnodes"] == 2
