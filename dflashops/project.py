@@ -9,12 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflashops import reads
 from dflashops.config.inventory import Inventory
 from dflashops.config.load import Playbook, load_inventory, load_playbook
 from dflashops.errors import ConfigError, DflashopsError, Problem
 from dflashops.plan import targets
 
 DEFAULT_INVENTORIES = ("inventory.yaml", "inventory.example.yaml")
+PLAYBOOKS = "*.y*ml"  # the project's playbooks: every match in playbooks/ beside the inventory
 
 
 def find_inventory(given: str | None, cwd: Path | None = None) -> Path:
@@ -22,6 +24,7 @@ def find_inventory(given: str | None, cwd: Path | None = None) -> Path:
         return Path(given)
     base = cwd or Path(".")
     for name in DEFAULT_INVENTORIES:
+        reads.look(base / name)  # which one is found is an input of a recording run too
         if (base / name).is_file():
             return base / name
     raise DflashopsError(
@@ -65,10 +68,12 @@ def select(inventory_path: Path, playbooks: list[str], hosts: list[str]) -> Sele
             f"--host {exc.args[0]!r} is not in {inventory_path} (it has: {known})"
         ) from None
     explicit = bool(playbooks)
+    # A recording run depends on which playbooks there are: one added or removed is a change.
+    reads.look(inventory_path.parent / "playbooks", f"glob:{PLAYBOOKS}")
     paths = (
         [Path(p) for p in playbooks]
         if explicit
-        else sorted((inventory_path.parent / "playbooks").glob("*.y*ml"))
+        else sorted((inventory_path.parent / "playbooks").glob(PLAYBOOKS))
     )
     if not paths:
         raise DflashopsError(
@@ -90,7 +95,7 @@ def select(inventory_path: Path, playbooks: list[str], hosts: list[str]) -> Sele
             books.append(book)
     if explicit and project is not None:
         given = {p.resolve() for p in paths}
-        for path in sorted((inventory_path.parent / "playbooks").glob("*.y*ml")):
+        for path in sorted((inventory_path.parent / "playbooks").glob(PLAYBOOKS)):
             if path.resolve() in given:
                 continue
             try:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import posixpath
 import re
 import shlex
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,9 @@ from jinja2 import (
     StrictUndefined,
     TemplateError,
 )
+from jinja2.loaders import split_template_path
 
-from dflashops import __version__
+from dflashops import __version__, reads
 from dflashops.engines import launch_for
 from dflashops.engines.base import (
     BesideTool,
@@ -111,6 +113,7 @@ def template_dirs(playbook_paths: Iterable[Path]) -> list[Path]:
     dirs: list[Path] = []
     for path in playbook_paths:
         for candidate in (path.parent / "templates", path.parent.parent / "templates"):
+            reads.look(candidate)  # a folder made later overrides: a recording run depends on it
             if candidate.is_dir() and candidate not in dirs:
                 dirs.append(candidate)
     return dirs
@@ -129,9 +132,25 @@ def builtin_templates() -> Path:
     )
 
 
+class _Loader(FileSystemLoader):
+    """Jinja's FileSystemLoader that tells a recording run (dflashops.reads) every path it
+    looks at for a template, found or not: an override added later beside a playbook must read
+    as a change, as must an edit of the built-in it shadows."""
+
+    def get_source(
+        self, environment: Environment, template: str
+    ) -> tuple[str, str, Callable[[], bool]]:
+        if reads.current() is not None:
+            pieces = split_template_path(template)
+            for searchpath in self.searchpath:  # the order FileSystemLoader searches in
+                if reads.is_file(reads.look(posixpath.join(searchpath, *pieces))):
+                    break
+        return super().get_source(environment, template)
+
+
 def make_environment(override_dirs: list[Path]) -> Environment:
     env = Environment(
-        loader=FileSystemLoader([*(str(d) for d in override_dirs), str(builtin_templates())]),
+        loader=_Loader([*(str(d) for d in override_dirs), str(builtin_templates())]),
         undefined=StrictUndefined,
         finalize=_finalize,
         autoescape=False,
@@ -210,10 +229,17 @@ def render_unit(env: Environment, unit: Unit) -> Rendered:
 
 
 def render_plan(plan: Plan, override_dirs: list[Path]) -> tuple[list[Rendered], list[Problem]]:
+    return render_units(plan.units, override_dirs)
+
+
+def render_units(
+    units: Sequence[Unit], override_dirs: list[Path]
+) -> tuple[list[Rendered], list[Problem]]:
+    """Render some of a plan's units (pre-flight renders a slice per core)."""
     env = make_environment(override_dirs)
     rendered: list[Rendered] = []
     problems: list[Problem] = []
-    for unit in plan.units:
+    for unit in units:
         try:
             result = render_unit(env, unit)
         except TemplateError as exc:

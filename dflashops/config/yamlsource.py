@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from dflashops import reads
 from dflashops.errors import ConfigError, Problem
 
 PathKey = tuple[str | int, ...]
@@ -156,6 +157,7 @@ def parse_yaml(text: str, file: str) -> Document:
 
 def read_yaml(path: Path) -> Document:
     """Read and parse a YAML file; a missing or unreadable file is a ConfigError too."""
+    reads.look(path)  # a recording run (pre-flight's result cache) depends on this content
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
