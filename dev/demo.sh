@@ -3,12 +3,14 @@
 # two stub servers (the CPU stand-in for SGLang) and the completions generator from
 # playbooks/demo.yaml. Deploys (a Python environment, the prompts, the servers under their
 # supervisors, the job), waits for the generation job, shows status and one frame of `top`, then
-# stops it all.
+# stops it all. On the way it prints the launch lines of the two-node Ray example.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
 D=.venv/bin/dflashops
 $D preflight --host local
+# What a service over two nodes would run (nothing is started: those hosts are examples).
+$D render --host h200 -p playbooks/two-node-vllm-ray.yaml | grep -E '^(# dflashops launch|exec)'
 $D deploy --host local
 for _ in $(seq 120); do
     state=$($D status --host local --json .dflashops/demo-status.json >/dev/null 2>&1 || true

@@ -68,6 +68,9 @@ class Unit:
     # The API server of a vLLM service over a Ray cluster: the Ray nodes' addresses, head
     # first (its Ray port is ``dist_port``); it serves once every one is in with its GPUs.
     cluster: tuple[str, ...] = ()
+    # GPUs the process sees without holding them: the Ray API server sees its node's, which
+    # that node's Ray part holds (None: it sees what it holds, ``gpus``).
+    sees: tuple[int, ...] | None = None
 
     @property
     def multi_node(self) -> bool:
@@ -584,6 +587,7 @@ def _ray_units(
         nodes=(),
         rank=None,
         cluster=tuple(inventory.hosts[n].dial_address for n in nodes),
+        sees=gpus,
     )
     return [ray, server]
 

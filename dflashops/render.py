@@ -264,7 +264,9 @@ class _UnitView:
         self.port = unit.port if unit.port is not None else "-"
         self.gpus = ",".join(map(str, unit.gpus)) or "-"
         # An empty CUDA_VISIBLE_DEVICES hides every GPU: a CPU-only job cannot grab one by accident.
-        self.cuda_visible_devices = ",".join(map(str, unit.gpus))
+        self.cuda_visible_devices = ",".join(
+            map(str, unit.gpus if unit.sees is None else unit.sees)
+        )
         self.replica = unit.replica
         self.env_path = HostPath(unit.env.path) if unit.env is not None else None
         # A part of a multi-node unit: its rank and the nodes, in rank order (else empty).

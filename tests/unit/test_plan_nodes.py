@@ -306,6 +306,8 @@ def test_vllm_over_ray_a_ray_node_on_each_host_and_the_api_server_on_the_first(
         in script
     )
     assert "export RAY_ADDRESS=10.0.0.10:6380" in script
+    # It holds no GPU, but sees its node's (as `vllm serve` on a Ray head does).
+    assert f"export CUDA_VISIBLE_DEVICES={','.join(map(str, head_ray.gpus))}" in script
     assert [f.name for f in served.files] == ["ray_cluster.py"]
 
 

@@ -34,7 +34,8 @@ def test_repo_examples_pass(capsys: pytest.CaptureFixture[str]) -> None:
     code, output = run_cli(["preflight"], REPO, capsys)
     assert code == 0, output
     assert (
-        "preflight passed: 16 units on 5 host(s) (b200, h100-a, h100-b, local, pro6000)" in output
+        "preflight passed: 19 units on 7 host(s) (b200, h100-a, h100-b, h200-a, h200-b and 2 more)"
+        in output
     )
 
 
