@@ -98,8 +98,7 @@ def observe(kind: str, path: str) -> str:
       and it may be a model of many gigabytes)
     - ``glob:PATTERN``: the sorted matches of PATTERN in folder ``path`` (Path.glob, as the
       caller globs)
-    - ``tree``: a file or folder's tree digest (agent/remote/tree.py, with the hash cache the
-      controller keeps for that path, so an unchanged wheels folder is not read again)
+    - ``tree``: a file's sha256, or a folder's: over every file under it (wheels)
     """
     if kind == "path":
         return _path(path)
@@ -146,18 +145,17 @@ def _path(path: str) -> str:
 
 
 def _tree(path: str) -> str:
-    if not os.path.exists(path):
-        return ABSENT
-    from dflashops.agent.remote import tree  # stdlib only; imported when a tree is a fact
-    from dflashops.cache import cache_dir
-
-    # The hash cache nodestate.local_scan keeps for this path (same name), so hashing a
-    # folder of wheels here costs a stat per file when it is unchanged.
-    key = hashlib.sha256(str(Path(path).resolve()).encode()).hexdigest()[:16]
-    cache = cache_dir() / "trees" / f"{key}.json"
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        scanned = tree.scan(path, str(cache))
-    except OSError:
-        scanned = tree.scan(path)
-    return f"{scanned['kind']}:{scanned['digest']}"
+    """A file's or a folder's content: sha256 over every file under it (its path inside and its
+    sha256), following links as os.walk and agent/remote/tree.py's scan do; a superset of what
+    that scan counts, so nothing it hashes can change unseen. Read whole each time: wheels and
+    requirements are small, and the agent's tree module would import the agent client here."""
+    top = _path(path)
+    if top != FOLDER:
+        return top
+    digest = hashlib.sha256()
+    for folder, dirs, files in os.walk(path):
+        dirs.sort()
+        for name in sorted(files):
+            full = os.path.join(folder, name)
+            digest.update(f"{os.path.relpath(full, path)}\0{_path(full)}\n".encode())
+    return f"{FOLDER}:{digest.hexdigest()}"
