@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable
@@ -117,6 +118,17 @@ def test_live_preflight_names_the_hosts_and_port_when_the_rendezvous_cannot_happ
     assert live.code == 1, live.out
     assert "cannot listen on 192.0.2.10" in live.out and "internal_address" in live.out, live.out
     assert "[h1] net_if nope0 (for big-0) is not an interface of the host" in live.out, live.out
+    # Forced past it, the head cannot bind its rendezvous and dies: the unit fails on both
+    # hosts at once with the head's log tail (not at the ready timeout), and nothing is left.
+    ctl2 = ops(fleet, hosts={"h0": {"internal_address": "192.0.2.10"}, "h1": {}})
+    ctl2.playbook("big", two_node_book(port, dist))
+    forced = ctl2.run("deploy", "--force")
+    assert forced.code != 0 and forced.seconds < 20, forced.explain()
+    (head_died,) = forced.of("big-0", host="h0", action="ready", status="failed")
+    assert "died while starting" in head_died["message"], forced.explain()
+    (worker,) = forced.of("big-0", host="h1", action="ready", status="failed")
+    assert "big failed: big-0 (rank 0 of 2) on h0: died while starting" in worker["message"]
+    assert forced.of("big-0", host="h1", action="stop", status="changed"), forced.explain()
 
 
 def test_a_torchrun_job_over_two_nodes_runs_every_rank_once_and_is_done_on_both(
@@ -289,6 +301,23 @@ def test_a_two_node_vllm_service_over_a_real_ray_cluster(
     again = ctl.run("deploy")
     assert again.code == 0, again.explain()
     assert {e["status"] for e in again.events if e["unit"]} <= {"ok", "info"}, again.explain()
+
+    # vLLM asking the cluster for more GPUs than it has is refused (the reason the API server
+    # waits for every node first).
+    greedy = subprocess.run(
+        [
+            *(sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "-tp", "8"),
+            *("--distributed-executor-backend", "ray", "--port", str(free_ports(1))),
+        ],
+        env={**fleet["h0"].env(), "RAY_ADDRESS": f"{fleet['h0'].address}:{gcs}"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert greedy.returncode == 1, greedy.stdout + greedy.stderr
+    assert "The number of required GPUs exceeds the total number" in greedy.stderr
+    assert "(required 8, the cluster has 4)" in greedy.stderr
 
     # A node that crashes after ready: its supervisor ends what is left of it (Ray's raylet
     # goes, the cluster marks the node dead), the API server's Ray workers die with it and the
