@@ -36,21 +36,28 @@ MODEL = "/dev/shm/Qwen3.6-27B"
 
 
 def unit_processes(host: FleetHost) -> list[int]:
-    """Live processes started by dflashops on `host` (they carry DFLASHOPS_RUN_ID and the
-    host's FAKE_GPU_STATE in their environment)."""
+    """Live processes started by dflashops on `host`: they have the host's FAKE_GPU_STATE in
+    their environment, and DFLASHOPS_RUN_ID too, but for the supervisors: forked from the
+    agent, they start from its environment (their children get the run id) and are named
+    dfo:<unit>."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         pid = int(entry.name)
         env = environ(pid)
-        if (
-            env.get("FAKE_GPU_STATE") == str(host.gpu_dir)
-            and "DFLASHOPS_RUN_ID" in env
-            and alive(pid)
-        ):
+        if env.get("FAKE_GPU_STATE") != str(host.gpu_dir) or not alive(pid):
+            continue
+        if "DFLASHOPS_RUN_ID" in env or _comm(pid).startswith("dfo:"):
             found.append(pid)
     return sorted(found)
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def http_json(port: int, path: str, timeout: float = 5.0) -> Any:

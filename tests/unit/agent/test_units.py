@@ -281,16 +281,16 @@ def test_start_returns_at_once_and_the_unit_is_detached(host: Host) -> None:
     assert int((stat(engine) or [])[PPID]) == pid
     assert cmdline(engine)[0] == HOST_PYTHON.encode()
 
-    # The supervisor runs from the content-addressed copy of the agent that start left behind.
-    copy = host.workdir / "agent" / f"{digest()[:16]}.py"
-    assert copy.read_bytes() == bundle()
-    assert cmdline(pid)[:5] == [
-        HOST_PYTHON.encode(),
-        b"-S",
-        str(copy).encode(),
-        b"supervise",
-        str(host.unit_dir("job")).encode(),
-    ]
+    # The supervisor is forked from the agent (no interpreter start): the agent's command line,
+    # named dfo:<unit> for ps -o comm and top, holding nothing of the agent's but its code: its
+    # stdin is /dev/null, stdout and stderr the log, no other descriptor (not the agent's pipes
+    # to the controller, not the start lock).
+    assert cmdline(pid)[:3] == [HOST_PYTHON.encode(), b"-S", b"-c"]
+    assert Path(f"/proc/{pid}/comm").read_text().strip() == "dfo:job"
+    fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+    assert fds[0] == os.devnull
+    assert fds[1] == fds[2] and fds[1].startswith(str(host.unit_dir("job") / "logs"))
+    assert set(fds) == {0, 1, 2}, fds
 
     record = host.read("job", "pid")
     assert set(record) == {"pid", "pgid", "start_time", "boot_id", "started_at", "log", "run_id"}
@@ -304,6 +304,44 @@ def test_start_returns_at_once_and_the_unit_is_detached(host: Host) -> None:
     # every process of this start carries its run id (membership proof once the leader is gone)
     assert environ(engine).get("DFLASHOPS_RUN_ID") == record["run_id"]
     assert re.fullmatch(r"[0-9a-f]{16}", record["run_id"])
+
+
+def test_with_another_thread_alive_the_supervisor_runs_from_the_agents_copy(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork copies only the calling thread: with another one alive, start execs the
+    content-addressed copy of the agent instead (`python -S COPY supervise UNIT_DIR`)."""
+    import threading
+
+    import dflashops.agent.remote as remote
+    from dflashops.agent.remote import start
+
+    host.python_unit("job", SLEEPER)
+    monkeypatch.setattr(remote, "BUNDLE", bundle().decode(), raising=False)
+    monkeypatch.setattr(sys, "executable", HOST_PYTHON)
+    release = threading.Event()
+    other = threading.Thread(target=release.wait, daemon=True)
+    other.start()
+    try:
+        assert not start.may_fork()
+        agent = start.agent_file(str(host.workdir))
+        record = start.spawn(str(host.unit_dir("job")), agent, 20, BOOT_ID)
+    finally:
+        release.set()
+        other.join()
+    pid = record["pid"]
+    host.groups.append((pid, record["start_time"]))
+    copy = host.workdir / "agent" / f"{digest()[:16]}.py"
+    assert agent == str(copy) and copy.read_bytes() == bundle()
+    assert cmdline(pid)[:5] == [
+        HOST_PYTHON.encode(),
+        b"-S",
+        str(copy).encode(),
+        b"supervise",
+        str(host.unit_dir("job")).encode(),
+    ]
+    host.wait_log("job", "sleeping")
+    assert start.may_fork()  # the thread is gone
 
 
 def test_second_start_is_refused_while_running(host: Host) -> None:
