@@ -34,7 +34,11 @@ import sys
 def _dflashops_agent():
     import binascii, json, marshal, os, zlib
     from importlib.machinery import ModuleSpec
-    sources = json.loads(zlib.decompress(binascii.a2b_base64(_S)).decode("utf-8"))
+    box = []
+    def texts():  # decoded only for a compile or a traceback's lines: a cache hit needs none
+        if not box:
+            box.append(json.loads(zlib.decompress(binascii.a2b_base64(_S)).decode("utf-8")))
+        return box[0]
     top = "PACKAGE"
     codes = None
     tag = sys.implementation.cache_tag or "python"
@@ -52,7 +56,7 @@ def _dflashops_agent():
         pass
     if codes is None:
         codes = {}
-        for name, text in sources.items():
+        for name, text in texts().items():
             code = compile(text, "<dflashops-agent>/%s.py" % name, "exec")
             codes[name] = marshal.dumps(code)
         part = "%s.%d.part" % (path, os.getpid())
@@ -78,16 +82,15 @@ def _dflashops_agent():
         def create_module(cls, spec):
             return None
         @classmethod
+        def get_source(cls, fullname):  # what tracebacks show (linecache asks the loader)
+            return texts()[key(fullname)]
+        @classmethod
         def exec_module(cls, module):
             name = key(module.__name__)
-            text = sources[name]
-            filename = "<dflashops-agent>/%s.py" % name
-            import linecache
-            linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
             try:
                 code = marshal.loads(codes[name])
             except Exception:  # a damaged entry whose text matched: compile this once more
-                code = compile(text, filename, "exec")
+                code = compile(texts()[name], "<dflashops-agent>/%s.py" % name, "exec")
             exec(code, module.__dict__)
     sys.meta_path.insert(0, Finder)
     import dflashops_agent

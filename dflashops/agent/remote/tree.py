@@ -11,7 +11,6 @@ never equals a real one). The cache of a destination written by dflashops is its
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import stat
@@ -30,6 +29,8 @@ CHUNK = 1 << 20
 
 def digest(files: dict[str, tuple[int, str | None]]) -> str | None:
     """The tree's digest from rel -> (size, sha256); None when a sha256 is unknown."""
+    import hashlib  # not at import: facts loads this module, and hashlib costs 6 ms
+
     h = hashlib.sha256()
     for rel in sorted(files):
         size, sha = files[rel]
@@ -65,6 +66,8 @@ def part_name(path: str, sha: str) -> str:
 
 
 def hash_file(path: str, into: Any = None) -> str:
+    import hashlib
+
     h = hashlib.sha256() if into is None else into
     with open(path, "rb") as f:
         while True:
@@ -208,5 +211,7 @@ def free_bytes(path: str) -> Json:
 
 def cache_path(workdir: str, kind: str, root: str) -> str:
     """WORKDIR/files/<kind>-<sha16 of root>.json: a manifest (``dest``) or a source's cache."""
+    import hashlib
+
     key = hashlib.sha256(root.encode()).hexdigest()[:16]
     return os.path.join(workdir, "files", f"{kind}-{key}.json")

@@ -350,3 +350,45 @@ def test_each_cache_tag_has_its_own_folder(home: Path, tmp_path: Path) -> None:
         call(python, home, tmp_path / "wd")
     files = {p.relative_to(home) for p in home.rglob("*") if p.is_file()}
     assert files == {entry_path(p, home / ".cache").relative_to(home) for p in pythons}
+
+
+# Loads the bundle as the host does (serve, with no request: it returns at once), then raises
+# inside one of its modules and prints the traceback.
+TRACEBACK = r"""
+import io, sys, traceback
+data = sys.stdin.buffer.read()
+sys.argv = ["-c"]
+sys.stdin = io.TextIOWrapper(io.BytesIO(b'{"action": "serve"}\n'))
+scope = {"__name__": "__main__"}
+try:
+    exec(compile(data, "<dflashops-agent>", "exec"), scope)
+except SystemExit:
+    pass
+from dflashops_agent import common
+try:
+    common.integer("x", "units[0].port")
+except Exception:
+    print(traceback.format_exc())
+"""
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_tracebacks_show_the_agents_source_lines_on_a_hit_and_a_miss(
+    python: str, home: Path
+) -> None:
+    """The sources are decoded only when asked (a cache hit needs none): tracebacks still
+    show each line, from the loader's get_source."""
+    env = {"HOME": str(home), "PATH": os.environ["PATH"]}
+    for _ in ("miss", "hit"):
+        out = subprocess.run(
+            [python, "-S", "-c", TRACEBACK],
+            input=bundle(),
+            capture_output=True,
+            check=True,
+            timeout=30,
+            env=env,
+        ).stdout.decode()
+        assert 'File "<dflashops-agent>/common.py"' in out, out
+        assert 'raise BadRequest(f"{what} must be an integer >= {minimum}")' in out, out
+        assert "units[0].port must be an integer >= 0" in out
+    assert (home / ".cache" / "dflashops-agent").is_dir()  # the second run was a hit
