@@ -32,6 +32,7 @@ from dflashops.engines import identity
 from dflashops.errors import HostError
 from dflashops.events import EventLog
 from dflashops.hosts import connect
+from dflashops.hosts.base import BaseConnection
 from dflashops.nodestate import NodeState
 from dflashops.orphans import Orphan, blocking, find, ways_out
 from dflashops.render import Rendered
@@ -77,9 +78,10 @@ class HostRun:
     failed: set[str] = field(default_factory=set)
     waiting: set[str] = field(default_factory=set)  # units held back by a files entry
     orphans: list[Orphan] = field(default_factory=list)
+    warm: BaseConnection | None = None  # opened while pre-flight ran (prewarm.py)
 
     def __post_init__(self) -> None:
-        self.conn = connect(self.host)
+        self.conn = self.warm if self.warm is not None else connect(self.host)
         # One agent kept for the run: facts, write, stop, start and wait are requests to it,
         # not a new interpreter each (round trips stay; processes and their start-up go).
         self.agent = Agent(self.conn, self.host.python, keep=True)

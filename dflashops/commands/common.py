@@ -20,8 +20,9 @@ from dflashops.events import EventLog
 from dflashops.lifecycle import HostRun, Options
 from dflashops.nodestate import NodeState
 from dflashops.output import escape
-from dflashops.plan import build_plan, topo_order
+from dflashops.plan import build_plan, targets, topo_order
 from dflashops.preflight import Report, run_preflight
+from dflashops.prewarm import Prewarm
 from dflashops.project import Selection, find_inventory, select, split_names
 from dflashops.render import Rendered
 from dflashops.run import on_hosts
@@ -36,6 +37,7 @@ class Target:
     selection: Selection | None = field(default=None, repr=False)
     nodes: dict[str, NodeState] = field(default_factory=dict)  # environments, files per host
     peers: dict[str, Host] = field(default_factory=dict)  # every inventory host (relays)
+    warm: Prewarm | None = None  # connections opened while pre-flight ran
 
     def run(self, host: Host, events: EventLog, opts: Options, board: Any = None) -> HostRun:
         known = None if self.known is None else self.known.get(host.name, set())
@@ -47,6 +49,7 @@ class Target:
             known=known,
             node=self.nodes.get(host.name, NodeState()),
             peers=self.peers,
+            warm=self.warm.take(host) if self.warm is not None else None,
         )
         if board is not None:
             run.board = board
@@ -60,13 +63,25 @@ def prepare(
     playbooks: list[str] | None,
     *,
     all_named_hosts: bool = False,
+    warm_forks: int | None = None,
 ) -> Target:
     """Select, pre-flight and render; refuse to go on if pre-flight finds any error.
     ``all_named_hosts``: keep hosts given with --host even when no selected playbook puts a
-    unit there (stop and status still have orphans to look at)."""
+    unit there (stop and status still have orphans to look at). ``warm_forks``: connect to
+    the targeted hosts (that many at a time) while pre-flight runs."""
     selection = select(find_inventory(inventory), playbooks or [], split_names(hosts))
-    report: Report = run_preflight(selection)
+    warm = None
+    if warm_forks is not None:
+        warm = Prewarm([selection.inventory.hosts[h] for h in targeted(selection)], warm_forks)
+    try:
+        report: Report = run_preflight(selection)
+    except BaseException:
+        if warm is not None:
+            warm.close()
+        raise
     if not report.ok:
+        if warm is not None:
+            warm.close()
         for c in report.errors:
             out.print(f"[red]FAIL[/] {c.check}: {escape(c.message)}")
         raise DflashopsError(
@@ -89,7 +104,19 @@ def prepare(
         selection=selection,
         nodes={h: hp.node for h, hp in report.plan.hosts.items()} if report.plan else {},
         peers=dict(inv),
+        warm=warm,
     )
+
+
+def targeted(selection: Selection) -> list[str]:
+    """The hosts the selected playbooks target (within --host), known before any plan."""
+    names: list[str] = []
+    for book in selection.playbooks:
+        found, _ = targets(selection.inventory, book)
+        names += [n for n in found if n not in names]
+    if selection.hosts is not None:
+        names = [n for n in names if n in selection.hosts]
+    return names
 
 
 def project_units(
@@ -164,8 +191,12 @@ def each_host(
         finally:
             run.close()
 
-    with board.running():
-        outcomes = on_hosts(list(target.hosts.values()), one, forks, opts.abort)
+    try:
+        with board.running():
+            outcomes = on_hosts(list(target.hosts.values()), one, forks, opts.abort)
+    finally:
+        if target.warm is not None:
+            target.warm.close()  # what no host's run took
     for name, outcome in outcomes.items():
         if not outcome.ok:
             status = "failed" if outcome.unexpected else "unreachable"

@@ -29,7 +29,7 @@ def deploy(
     forks: int = DEFAULT_FORKS,
     json_path: str | None = None,
 ) -> int:
-    target = prepare(out, inventory, hosts, playbooks)
+    target = prepare(out, inventory, hosts, playbooks, warm_forks=forks)
     if prune and target.known is None:
         raise DflashopsError(
             "--prune needs every playbook in playbooks/ to load and plan (see the warning above): "
