@@ -462,8 +462,9 @@ class ProbeResult(FactsModel):
 
 
 class WaitReport(ProbeResult):
-    """One line of a ``wait``: the probes of the units still waited for when it was sent;
-    ``done`` are those whose wait is over (ready, dead or out of time), ``final`` the last."""
+    """One line of a ``wait``: the probes of the units still waited for when it was sent
+    (none in a heartbeat, sent when nothing happened for ``report_every`` seconds); ``done``
+    are those whose wait is over (ready, dead or out of time), ``final`` the last."""
 
     done: list[str] = Field(default_factory=list)
     final: bool = False

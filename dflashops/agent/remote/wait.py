@@ -3,9 +3,9 @@
 Request: ``units`` (probe specs, see probe.py, each with ``timeout_s``: how long the controller
 still waits for it), ``poll`` (s between checks, 0.25), ``report_every`` (s, 2),
 ``http_timeout`` (s, 5), ``log_lines`` (30). Answer: a stream of lines, each ``{schema, action,
-units: {name: probe}, done: [names], final, time}``: one as soon as a unit is done, one every
-``report_every`` seconds anyway (the pending units' probes, for progress), the last with
-``final: true``. A unit is done when it is not running as ours (or its supervisor is restarting
+units: {name: probe}, done: [names], final, time}``: one with the full probes as soon as a unit
+may be done, a heartbeat with no probes (``units: {}``) when ``report_every`` seconds went by
+without one, the last with ``final: true``. A unit is done when it is not running as ours (or its supervisor is restarting
 it), when its health answers 200 (or, with no health check, its launch banner is in its log),
 or when its time is up: the
 controller's own rules, read from the same full probe it is sent, so the two never disagree.
@@ -137,7 +137,14 @@ def run(request: Json, stdin: Any) -> Json:
     while True:
         now = time.monotonic()
         late = any(now >= deadline[n] for n in pending)
-        if check_now or late or now - last_line >= every:
+        if not (check_now or late) and now - last_line >= every:
+            # A heartbeat: the controller shows progress from what it knows and honours
+            # Ctrl-C; a full probe of every pending unit would cost the host its CPU for it.
+            line = {"units": {}, "done": [], "final": False, "time": time.time()}
+            if not emit({"schema": SCHEMA, "action": "wait", **line}):
+                return line
+            last_line = now
+        elif check_now or late:
             specs = list(pending.values())
             probes = probe.probe_units(workdir, specs, http_timeout, log_lines)
             now = time.monotonic()

@@ -1037,3 +1037,32 @@ def test_empty_requests_need_no_round_trip(host: Host) -> None:
     assert agent.stop(host.where, []) == {}
     assert agent.probe(host.where, []) == {}
     assert host.conn.commands == 0
+
+
+# ------------------------------------------------------------------------------ wait
+
+
+def test_wait_sends_heartbeats_without_probes_then_the_full_probe_when_the_unit_is_done(
+    host: Host,
+) -> None:
+    """While nothing happens the host sends a heartbeat every report_every seconds (so the
+    controller shows progress and hears a dead link) without probing every unit for it; the
+    line that ends a unit's wait carries its full probe."""
+    import threading
+
+    port = free_port()
+    host.stub_unit("slow", port, startup=1.5)
+    host.start("slow")
+    spec = ProbeSpec(name="slow", port=port, identity_paths=["/server_info"])
+    lines = list(
+        host.agent().wait(
+            host.where, [(spec, 20.0)], poll=0.1, report_every=0.3, abort=threading.Event()
+        )
+    )
+    beats = [r for r in lines if not r.final]
+    assert len(beats) >= 3, lines  # 1.5 s of starting, a line every 0.3 s
+    assert all(r.units == {} and r.done == [] for r in beats[1:]), beats  # the first probes
+    last = lines[-1]
+    assert last.final and last.done == ["slow"]
+    assert last.units["slow"].health is not None and last.units["slow"].health.status == 200
+    assert last.units["slow"].identity is not None
