@@ -263,6 +263,8 @@ def test_a_two_node_vllm_service_over_a_real_ray_cluster(
                     "ready": {"timeout": "120s", "interval": "0.5s"},
                     "stop_grace": "20s",
                     "restart_backoff": {"initial": "1s", "max": "2s"},
+                    # Ray's own: how long a node waits for a lost GCS (60 s by default).
+                    "env": {"RAY_gcs_rpc_server_reconnect_timeout_s": "5"},
                 }
             ],
         },
@@ -337,6 +339,24 @@ def test_a_two_node_vllm_service_over_a_real_ray_cluster(
     )
     server_log = (unit_dir(fleet["h0"], "big-0") / "logs" / "current.log").read_text()
     assert "ray cluster: 2 of 2 nodes, 4 of 4 GPUs: complete" in server_log, server_log
+
+    # The head crashes: the API server loses its cluster and exits, the worker node loses its
+    # GCS and ends (Ray's own reconnect timeout, shortened here); every supervisor restarts
+    # its part and the worker joins the new head.
+    worker_restarts = restarts_of(fleet["h1"], "big-ray")
+    server_restarts = restarts_of(fleet["h0"], "big-0")
+    head_leader = json.loads((unit_dir(fleet["h0"], "big-ray") / "supervisor.json").read_text())
+    os.kill(int(head_leader["child_pid"]), signal.SIGKILL)
+    wait_for(
+        "every part to restart and the server to serve again",
+        lambda: (
+            restarts_of(fleet["h1"], "big-ray") > worker_restarts
+            and restarts_of(fleet["h0"], "big-0") > server_restarts
+            and healthy(port)
+        ),
+        timeout=120,
+        every=0.5,
+    )
 
     down = ctl.run("stop")
     assert down.code == 0, down.explain()
