@@ -13,6 +13,7 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 from fleet import FleetFactory, FleetHost
 from lifecycle_helpers import MODEL, READY, Ops, http_json, unit_dir
@@ -232,6 +233,24 @@ def test_a_two_node_vllm_service_on_vllms_native_backend(
 HAS_RAY = importlib.util.find_spec("ray") is not None
 
 
+def ray_book(model: Path, port: int, gcs: int, **extra: object) -> dict[str, object]:
+    """A vLLM service over a Ray cluster of h0 and h1: tp 2 x pp 2, 2 GPUs a node."""
+    service = {
+        "name": "big",
+        "engine": "vllm",
+        "model": str(model),
+        "nodes": ["h0", "h1"],
+        "backend": "ray",
+        "tp": 2,
+        "pp": 2,
+        "port": port,
+        "dist_port": gcs,
+        "ready": {"timeout": "120s", "interval": "0.5s"},
+        "stop_grace": "20s",
+    }
+    return {"hosts": ["h0", "h1"], "services": [{**service, **extra}]}
+
+
 @unless(HAS_RAY, "ray is not installed in the test environment (dev/setup.sh dev installs it)")
 def test_a_two_node_vllm_service_over_a_real_ray_cluster(
     fleet_factory: FleetFactory, ops: Callable[..., Ops]
@@ -247,27 +266,14 @@ def test_a_two_node_vllm_service_over_a_real_ray_cluster(
     model.mkdir(parents=True)
     ctl.playbook(
         "big",
-        {
-            "hosts": ["h0", "h1"],
-            "services": [
-                {
-                    "name": "big",
-                    "engine": "vllm",
-                    "model": str(model),
-                    "nodes": ["h0", "h1"],
-                    "backend": "ray",
-                    "tp": 2,
-                    "pp": 2,
-                    "port": port,
-                    "dist_port": gcs,
-                    "ready": {"timeout": "120s", "interval": "0.5s"},
-                    "stop_grace": "20s",
-                    "restart_backoff": {"initial": "1s", "max": "2s"},
-                    # Ray's own: how long a node waits for a lost GCS (60 s by default).
-                    "env": {"RAY_gcs_rpc_server_reconnect_timeout_s": "5"},
-                }
-            ],
-        },
+        ray_book(
+            model,
+            port,
+            gcs,
+            restart_backoff={"initial": "1s", "max": "2s"},
+            # Ray's own: how long a node waits for a lost GCS (60 s by default).
+            env={"RAY_gcs_rpc_server_reconnect_timeout_s": "5"},
+        ),
     )
     live = ctl.run("preflight", "--live", json_events=False)
     assert live.code == 0, live.out
@@ -377,27 +383,7 @@ def test_a_ray_node_that_cannot_start_fails_the_whole_unit_at_once_on_every_host
     port, gcs = free_ports(1), free_ports(1)
     model = fleet["h0"].dir / "models" / "big"
     model.mkdir(parents=True)
-    ctl.playbook(
-        "big",
-        {
-            "hosts": ["h0", "h1"],
-            "services": [
-                {
-                    "name": "big",
-                    "engine": "vllm",
-                    "model": str(model),
-                    "nodes": ["h0", "h1"],
-                    "backend": "ray",
-                    "tp": 2,
-                    "pp": 2,
-                    "port": port,
-                    "dist_port": gcs,
-                    "ready": {"timeout": "120s", "interval": "0.5s"},
-                    "stop_grace": "20s",
-                }
-            ],
-        },
-    )
+    ctl.playbook("big", ray_book(model, port, gcs))
     up = ctl.run("deploy")
     assert up.code != 0, up.explain()
     assert up.seconds < 60, up.explain()
