@@ -626,26 +626,51 @@ class HostRun:
                 and self._judge(r, first[name], c, False, last)
             ):
                 del pending[name]
+        seen: dict[str, UnitProbe] = {}  # the last full probe of each unit
         while pending:
             if self._span_casualties(pending):
                 continue
             now = time.monotonic()
             specs = [(probe_spec(r), max(0.0, deadline[n] - now)) for n, r in pending.items()]
             poll = min([POLL] + [ready_settings(r).interval for r in pending.values()])
+            held = {n for n, r in pending.items() if self._held(r)}
             stream = self.agent.wait(
-                self.workdir, specs, poll=poll, report_every=REPORT_EVERY, abort=self.opts.abort
+                self.workdir,
+                specs,
+                poll=poll,
+                report_every=REPORT_EVERY,
+                abort=self.opts.abort,
+                hold=held,
             )
             with closing(stream) as reports:  # a break below ends the host's wait too
                 for report in reports:
                     for name, p in report.units.items():
                         if name not in pending:
                             continue
+                        seen[name] = p
                         late = time.monotonic() > deadline[name]
                         if name not in report.done and not late:
                             continue  # a progress line: the host's rule says it is not done yet
                         late = late or name in report.done
                         if self._judge(pending[name], p, changes.get(name), late, last):
                             del pending[name]
+                    # Ranks watched while their unit got ready: it is, and they still run
+                    # (a probe from before their banner: the next wait, without hold, says).
+                    joined = [
+                        n
+                        for n in held & set(pending)
+                        if self.opts.spans.is_ready(span_of(pending[n].unit))
+                    ]
+                    for name in joined:
+                        got = seen.get(name)
+                        if (
+                            got is not None
+                            and got.banner is not None
+                            and self._judge(pending[name], got, changes.get(name), False, last)
+                        ):
+                            del pending[name]
+                    if joined:
+                        break  # the host still watches them: a new wait, without hold
                     if pending:
                         self.board(
                             self.host.name,
@@ -660,6 +685,17 @@ class HostRun:
                     f"interrupted while waiting for {', '.join(sorted(pending))}",
                 )
         self.board(self.host.name, "")
+
+    def _held(self, r: Rendered) -> bool:
+        """A part of a multi-host unit with no readiness of its own (a worker rank, a Ray
+        node): ready at its banner alone, it is watched until its unit's head part is ready,
+        so that dying meanwhile (even right after the banner) fails the unit."""
+        span = span_of(r.unit)
+        return (
+            span in self.spans
+            and not self.opts.spans.is_ready(span)
+            and (r.unit.port is None or r.launch.health_path is None)
+        )
 
     def _span_casualties(self, pending: dict[str, Rendered]) -> bool:
         """Fail (and stop waiting for) the pending parts of units that failed elsewhere."""
@@ -777,6 +813,9 @@ class HostRun:
             )
             return True
         self.ready.add(name)
+        span = span_of(r.unit)
+        if span in self.spans and r.unit.port is not None and r.launch.health_path is not None:
+            self.opts.spans.mark_ready(span)  # its head: every rank has joined it
         fresh = c is not None and c.runs_after
         self.emit(
             name,

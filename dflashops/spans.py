@@ -7,8 +7,11 @@ its message, with its rank and log tail, ends the other hosts' waits for their p
 (instead of their ready timeout), and every host stops its parts of that unit, so no rank is
 left holding GPUs at a rendezvous that can never complete.
 
-A host's verdict on a span waits for the other hosts of that span that are in this run and
-still working on it (``settle``), so a failure found late on one host still reaches all.
+A part with no readiness of its own (a worker rank, a Ray node: ready at its banner alone)
+is watched until the unit's head part is ready (``mark_ready``): dying in that time, even right
+after its banner, fails the unit. A host's verdict on a span waits for the other hosts of that
+span that are in this run and still working on it (``settle``), so a failure found late on one
+host still reaches all.
 Hosts not started yet (more hosts than ``--forks``) or unreachable are never waited for.
 """
 
@@ -41,6 +44,18 @@ class Spans:
     _failed: dict[str, str] = field(default_factory=dict)
     _working: dict[str, set[str]] = field(default_factory=dict)  # span -> hosts on it
     _arrived: dict[str, set[str]] = field(default_factory=dict)  # span -> hosts at the meeting
+    _ready: set[str] = field(default_factory=set)  # spans whose head part is ready
+
+    def mark_ready(self, span: str) -> None:
+        """The part with the unit's readiness (the head, the API server) is ready: every rank
+        has joined it, so the ranks without readiness of their own are ready too."""
+        with self._cond:
+            self._ready.add(span)
+            self._cond.notify_all()
+
+    def is_ready(self, span: str | None) -> bool:
+        with self._cond:
+            return span in self._ready
 
     def begin(self, spans: Iterable[str], host: str) -> None:
         with self._cond:

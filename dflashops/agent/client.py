@@ -15,7 +15,7 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -383,15 +383,21 @@ class Agent:
         report_every: float,
         abort: threading.Event,
         http_timeout: float = 5.0,
+        hold: Collection[str] = (),
     ) -> Generator[WaitReport, None, None]:
         """Wait on the host for each ``(spec, seconds left)`` unit to be ready, dead or out of
         time: ONE remote command, whose reports come as they happen (a unit done) and every
-        ``report_every`` seconds. Setting ``abort`` ends it within a fraction of a second: the
-        stream is closed and the host side stops when its stdin ends."""
+        ``report_every`` seconds. Units named in ``hold`` are done only when they die (or are
+        out of time): ranks with no readiness of their own, watched until their unit is ready.
+        Setting ``abort`` ends it within a fraction of a second: the stream is closed and the
+        host side stops when its stdin ends."""
         request = {
             "action": "wait",
             "workdir": workdir,
-            "units": [{**spec.model_dump(), "timeout_s": left} for spec, left in units],
+            "units": [
+                {**spec.model_dump(), "timeout_s": left, "hold": spec.name in hold}
+                for spec, left in units
+            ],
             "poll": poll,
             "report_every": report_every,
             "http_timeout": http_timeout,

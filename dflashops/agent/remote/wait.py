@@ -9,6 +9,8 @@ without one, the last with ``final: true``. A unit is done when it is not runnin
 it), when its health answers 200 (or, with no health check, its launch banner is in its log),
 or when its time is up: the
 controller's own rules, read from the same full probe it is sent, so the two never disagree.
+A unit with ``hold: true`` is done only when it is not running as ours (or is being restarted)
+or out of time: a rank that has no readiness of its own, watched while its unit gets ready.
 
 Between lines each check is cheap (pid record, the leader's /proc stat, supervisor.json, one
 HTTP GET per unit, all at once); the full probe (a /proc pass, identity, log tail) is made only
@@ -37,6 +39,7 @@ def check(request: Json) -> None:
     probe.check(request)
     for i, u in enumerate(request["units"]):
         u["timeout_s"] = number(u.get("timeout_s", 1200), f"units[{i}].timeout_s")
+        u["hold"] = bool(u.get("hold", False))
     request["poll"] = number(request.get("poll", 0.25), "poll", 0.01)
     request["report_every"] = number(request.get("report_every", 2.0), "report_every", 0.1)
     if not request["units"]:
@@ -48,6 +51,8 @@ def done(spec: Json, p: Json, late: bool) -> bool:
         return True
     if ((p.get("supervisor") or {}).get("state")) in RESTARTING:
         return True
+    if spec["hold"]:  # watched while it lives: only its death (or the time) ends its wait
+        return late
     if not probe.wants_http(spec):  # launched: launch.sh has written its banner
         return p.get("banner") is not None or late
     return ((p.get("health") or {}).get("status")) == 200 or late
@@ -66,6 +71,8 @@ def quick(workdir: str, spec: Json, boot: str | None, timeout: float) -> bool:
         return True
     if state in RESTARTING:
         return True
+    if spec["hold"]:
+        return False
     if not probe.wants_http(spec):
         try:
             _, path = logs.current(folder)
@@ -140,9 +147,9 @@ def run(request: Json, stdin: Any) -> Json:
         if not (check_now or late) and now - last_line >= every:
             # A heartbeat: the controller shows progress from what it knows and honours
             # Ctrl-C; a full probe of every pending unit would cost the host its CPU for it.
-            line = {"units": {}, "done": [], "final": False, "time": time.time()}
-            if not emit({"schema": SCHEMA, "action": "wait", **line}):
-                return line
+            beat: Json = {"units": {}, "done": [], "final": False, "time": time.time()}
+            if not emit({"schema": SCHEMA, "action": "wait", **beat}):
+                return beat
             last_line = now
         elif check_now or late:
             specs = list(pending.values())

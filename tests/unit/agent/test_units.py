@@ -1066,3 +1066,41 @@ def test_wait_sends_heartbeats_without_probes_then_the_full_probe_when_the_unit_
     assert last.final and last.done == ["slow"]
     assert last.units["slow"].health is not None and last.units["slow"].health.status == 200
     assert last.units["slow"].identity is not None
+
+
+def test_a_held_unit_is_done_only_when_it_dies_not_at_its_banner(host: Host) -> None:
+    """A rank with no readiness of its own is held while its unit gets ready: its banner does
+    not end its wait, its death does, at once (the race it closes: a rank that dies right
+    after its banner was judged ready)."""
+    import threading
+
+    host.python_unit("rank", "import time\ntime.sleep(1.0)\nraise SystemExit(3)\n")
+    host.python_unit("plain", "import time\ntime.sleep(300)\n")
+    host.start("rank", "plain")
+    t0 = time.monotonic()
+    lines = list(
+        host.agent().wait(
+            host.where,
+            [(ProbeSpec(name="rank", health_path=None), 20.0)],
+            poll=0.05,
+            report_every=5.0,
+            abort=threading.Event(),
+            hold={"rank"},
+        )
+    )
+    took = time.monotonic() - t0
+    assert lines[-1].final and lines[-1].done == ["rank"]
+    assert 0.8 < took < 5.0, took  # not at the banner (at once), not at the 20 s timeout
+    assert lines[-1].units["rank"].alive is False
+    assert lines[-1].units["rank"].exit is not None and lines[-1].units["rank"].exit.code == 3
+    # Not held, the same kind of unit is done at its banner.
+    plain = list(
+        host.agent().wait(
+            host.where,
+            [(ProbeSpec(name="plain", health_path=None), 20.0)],
+            poll=0.05,
+            report_every=5.0,
+            abort=threading.Event(),
+        )
+    )
+    assert plain[-1].done == ["plain"] and plain[-1].units["plain"].alive
