@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +25,35 @@ def unless(available: bool, reason: str) -> pytest.MarkDecorator:
     test runs and fails, so CI cannot pass by skipping it."""
     in_ci = os.environ.get("CI", "").lower() == "true"
     return pytest.mark.skipif(not available and not in_ci, reason=reason)
+
+
+def _ipv6_loopback() -> bool:
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+IPV6 = _ipv6_loopback()
+needs_ipv6 = unless(IPV6, "no IPv6 loopback here")
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def interpreters() -> list[Any]:
+    """The controller's Python and the host's system one, as pytest params (a new list:
+    callers may add more)."""
+    return [
+        pytest.param(sys.executable, id="venv-python"),
+        pytest.param(
+            SYSTEM_PYTHON,
+            id="system-python",
+            marks=unless(os.path.exists(SYSTEM_PYTHON), "no /usr/bin/python3"),
+        ),
+    ]
 
 
 @pytest.fixture

@@ -183,6 +183,8 @@ def _vllm_on_ray(
     """The API server of a vLLM service over Ray, on the head node: dflashops' ray_cluster
     payload waits until the cluster shows every node with its GPUs, then execs ``vllm serve``
     (same process, so the unit's pid and log stay), which joins the cluster at RAY_ADDRESS."""
+    from dflashops.plan import gpus_of  # plan imports no engine code: no cycle, run time only
+
     wait = ShippedFile.of(resolve_file("dflashops:ray_cluster", Path()))
     address = f"{unit.cluster[0]}:{unit.dist_port}"
     flags = [*vllm_args, "--distributed-executor-backend", "ray"]
@@ -194,7 +196,7 @@ def _vllm_on_ray(
         address,
         *nodes,
         "--gpus",
-        str(spec.tp * spec.pp * spec.dp),
+        str(gpus_of(spec)),
         "--timeout",
         f"{spec.ready.timeout:g}",
         "--",

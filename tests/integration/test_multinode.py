@@ -11,12 +11,11 @@ import signal
 import socket
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 from fleet import FleetFactory, FleetHost
-from lifecycle_helpers import MODEL, READY, Ops, http_json, unit_dir
+from lifecycle_helpers import MODEL, READY, Ops, http_json, http_status, unit_dir
 
 from tests.conftest import unless
 from tests.procs import free_ports, wait_for
@@ -416,9 +415,8 @@ def restarts_of(host: FleetHost, unit: str) -> int:
 
 def healthy(port: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as answer:
-            return bool(answer.status == 200)
-    except OSError:
+        return http_status(port, "/health", timeout=1) == 200
+    except OSError:  # refused: not listening (yet, or any more)
         return False
 
 

@@ -28,18 +28,10 @@ from typing import Any
 import pytest
 
 from dflashops.agent.bundle import bundle, command, sources
-from tests.conftest import unless
+from tests.conftest import SYSTEM_PYTHON, interpreters, unless
 
 REPO = Path(__file__).resolve().parents[3]
-SYSTEM_PYTHON = "/usr/bin/python3"
-PYTHONS = [
-    pytest.param(sys.executable, id="venv-python"),
-    pytest.param(
-        SYSTEM_PYTHON,
-        id="system-python",
-        marks=unless(os.path.exists(SYSTEM_PYTHON), "no /usr/bin/python3"),
-    ),
-]
+PYTHONS = interpreters()
 ANY_PYTHON = SYSTEM_PYTHON if os.path.exists(SYSTEM_PYTHON) else sys.executable
 PLANTED = "planted-by-the-test"
 # Appended to facts.py to make the planted code's answers tell themselves apart.

@@ -27,19 +27,12 @@ from dflashops.agent.remote import gpu, procfs
 from dflashops.agent.remote.ownership import RUN_ID_VAR
 from dflashops.errors import HostError
 from dflashops.hosts.local import LocalConnection
+from tests.conftest import SYSTEM_PYTHON, interpreters
 from tests.procs import STATE, alive, boot_id, group_members, start_time, stat, wait_for
 
 REPO = Path(__file__).resolve().parents[3]
 FAKE_BIN = REPO / "tests" / "fakes" / "bin"
-SYSTEM_PYTHON = "/usr/bin/python3"
-PYTHONS = [
-    pytest.param(sys.executable, id="venv-python"),
-    pytest.param(
-        SYSTEM_PYTHON,
-        id="system-python",
-        marks=pytest.mark.skipif(not os.path.exists(SYSTEM_PYTHON), reason="no /usr/bin/python3"),
-    ),
-]
+PYTHONS = interpreters()
 
 
 def _python39() -> str | None:

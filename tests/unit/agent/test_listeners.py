@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from dflashops.agent.remote import procfs
-from tests.conftest import unless
+from tests.conftest import IPV6, needs_ipv6, unless
 from tests.procs import start_time
 
 Finder = Callable[[], list[dict[str, Any]]]
@@ -40,21 +40,6 @@ FINDERS = [
     pytest.param(procfs._proc_listeners, id="proc"),
     pytest.param(procfs.listeners, id="listeners"),
 ]
-
-
-def _ipv6_loopback() -> bool:
-    if not socket.has_ipv6:
-        return False
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-IPV6 = _ipv6_loopback()
-needs_ipv6 = unless(IPV6, "no IPv6 loopback here")
 
 
 def listen(host: str = "127.0.0.1", port: int = 0, *, reuseport: bool = False) -> socket.socket:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from dflashops.agent.remote import web
+from tests.conftest import needs_ipv6
 
 Handler = Callable[["Server", socket.socket], None]
 LONG = 5.0  # a timeout no passing test comes near: reaching it means the client waited
@@ -194,11 +195,9 @@ def test_post_sends_its_body_as_json(serve: Callable[..., Server]) -> None:
     assert server.requests[1].count(b"Content-Type") == 1
 
 
+@needs_ipv6
 def test_ipv6_host_is_bracketed(serve: Callable[..., Server]) -> None:
-    try:
-        server = serve(reply(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nsix"), host="::1")
-    except OSError:
-        pytest.skip("no IPv6 loopback here")
+    server = serve(reply(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nsix"), host="::1")
     out = web.request("::1", server.port, "/", timeout=LONG, limit=10)
     assert out == ok(b"six")
     assert server.requests[0].startswith(b"GET / HTTP/1.1\r\n" + head_of(server.port, "[::1]"))
