@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -105,7 +107,7 @@ class Stage:
                 self._env_event(
                     env,
                     "changed",
-                    f"environment {env.name} would be built at {env.path} (build {env.hash[:12]}: {what}{extra})",
+                    f"environment {env.name} would be built at {env.path} (build {env.hash[:12]}: {what}{extra}){self._broken(env)}",
                 )
             return
         self.run.check_abort()
@@ -132,9 +134,17 @@ class Stage:
                 if res.built
                 else "switched to an earlier build"
             )
+            found = f": {res.note}" if res.note else self._broken(env)
             self._env_event(
-                env, "changed", f"environment {env.name} {how} ({env.path}, build {env.hash[:12]})"
+                env,
+                "changed",
+                f"environment {env.name} {how} ({env.path}, build {env.hash[:12]}){found}",
             )
+
+    def _broken(self, env: EnvPlan) -> str:
+        """Why the build in place is rebuilt though its content did not change, or ''."""
+        state = self.facts.envs.get(env.name)
+        return f": {state.note}" if state is not None and state.note else ""
 
     def _env_spec(self, env: EnvPlan) -> dict[str, Any]:
         """Ship the environment's inputs (requirements file, wheels) and say where they are."""
@@ -297,7 +307,7 @@ class Stage:
 
     def _hub(self, f: FilePlan, state: FileState) -> None:
         origin = state.origin or {}
-        pinned = f.revision is not None and COMMIT_RE.match(f.revision) is not None
+        pinned = f.revision is not None and COMMIT_RE.fullmatch(f.revision) is not None
         if (
             pinned
             and origin.get("repo") == f.src
@@ -363,6 +373,7 @@ class Stage:
                 bytes=plan.bytes,
             )
             return
+        private(staging)
         _, failed = pull(
             peer, self.run.peer_workdir(f.src_host), f.src, src, staging, timeout=6 * 3600
         )
@@ -373,6 +384,9 @@ class Stage:
             )
             return
         self._send(f, state, staging, src)
+        if self.entries.get(f.key) in ("ok", "changed"):
+            # Verified on the host: the copy here is spent (a failed upload keeps it to resume).
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def progress_text(progress: dict[str, Any] | None) -> str:
@@ -403,17 +417,25 @@ def relay_dir(f: FilePlan) -> Path:
     return cache_dir() / "relay" / f"{f.src_host}-{key}"
 
 
+def private(folder: Path) -> None:
+    """``folder`` and the relay cache holding it, readable by the operator only (0700): what a
+    relay stages may be anything (weights, data sets, a gated model)."""
+    folder.parent.parent.mkdir(parents=True, exist_ok=True)
+    for path in (folder.parent, folder):
+        path.mkdir(mode=0o700, exist_ok=True)
+        path.chmod(0o700)
+
+
 def _link(path: Path, target: Path) -> None:
     """``path`` names ``target``'s content (a hard link, else a copy): never a stale one."""
     if path.exists() and os.path.samefile(path, target):
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # Hosts stage the same inputs from their own threads: the name is the thread's, not the pid's.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.unlink(missing_ok=True)
     try:
         os.link(target, tmp)
     except OSError:
-        import shutil
-
         shutil.copy2(target, tmp)
     os.replace(tmp, path)

@@ -9,9 +9,17 @@ import zipfile
 from pathlib import Path
 
 
-def build_wheel(folder: Path, name: str, version: str = "1.0", code: str = "") -> Path:
+def build_wheel(
+    folder: Path,
+    name: str,
+    version: str = "1.0",
+    code: str = "",
+    scripts: dict[str, str] | None = None,
+) -> Path:
     """``folder/<name>-<version>-py3-none-any.whl``: a pure-Python package ``name`` whose
-    ``__version__`` is ``version`` (plus ``code``)."""
+    ``__version__`` is ``version`` (plus ``code``); ``scripts`` are its ``console_scripts``
+    entry points (command -> ``module:function``), which the installer turns into scripts in
+    the environment's bin/ with the environment's python in their shebang."""
     folder.mkdir(parents=True, exist_ok=True)
     dist = f"{name}-{version}.dist-info"
     files = {
@@ -19,6 +27,9 @@ def build_wheel(folder: Path, name: str, version: str = "1.0", code: str = "") -
         f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: dflashops-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
+    if scripts:
+        lines = "".join(f"{cmd} = {target}\n" for cmd, target in scripts.items())
+        files[f"{dist}/entry_points.txt"] = f"[console_scripts]\n{lines}"
     record = []
     for path, text in files.items():
         data = text.encode()

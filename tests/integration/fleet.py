@@ -353,6 +353,8 @@ class FleetHost:
             # No package index for environments built on test hosts: only the tests' wheels.
             "PIP_NO_INDEX": "1",
             "UV_OFFLINE": "1",
+            # No hub either: the real `hf` reads a cache the tests lay out in the hub's layout.
+            "HF_HUB_OFFLINE": "1",
         }
 
     def log_text(self) -> str:

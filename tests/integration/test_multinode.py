@@ -4,7 +4,7 @@ rank has connected), live pre-flight's rendezvous check, deploy, status, no-op, 
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import json
 import os
 import signal
@@ -229,11 +229,38 @@ def test_a_two_node_vllm_service_on_vllms_native_backend(
         assert down.of("big-0", host=h, action="stop", status="changed"), down.explain()
 
 
-HAS_RAY = importlib.util.find_spec("ray") is not None
+REPO = Path(__file__).resolve().parents[2]
 
 
-def ray_book(model: Path, port: int, gcs: int, **extra: object) -> dict[str, object]:
-    """A vLLM service over a Ray cluster of h0 and h1: tp 2 x pp 2, 2 GPUs a node."""
+def ray_wheels() -> Path | None:
+    """The wheels of the test venv's Ray and its dependencies, downloaded once by
+    dev/ray-wheels.sh (dev/test.sh runs it): the hosts' Ray environment is built from them."""
+    try:
+        version = importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    folder = REPO / ".wheels" / f"ray-{version}"
+    return folder if folder.with_name(f"{folder.name}.done").exists() else None
+
+
+RAY_WHEELS = ray_wheels()
+NO_RAY = "no Ray wheels beside .venv: run bash dev/ray-wheels.sh (dev/test.sh does)"
+RAY_ENV = "~/venv-ray"  # each host's own HOME: a build per host, as on real nodes
+
+
+def with_uv(*hosts: FleetHost) -> None:
+    """uv on the hosts: it installs Ray's 240 MB in seconds where pip takes much longer."""
+    uv = Path(sys.executable).parent / "uv"
+    for host in hosts:
+        (host.bin_dir / "uv").symlink_to(uv)
+
+
+def ray_book(
+    model: Path, port: int, gcs: int, services: bool = True, **extra: object
+) -> dict[str, object]:
+    """A vLLM service over a Ray cluster of h0 and h1: tp 2 x pp 2, 2 GPUs a node, in an
+    environment dflashops builds from the Ray wheels (`ray` runs from its bin/)."""
+    assert RAY_WHEELS is not None, NO_RAY
     service = {
         "name": "big",
         "engine": "vllm",
@@ -246,20 +273,36 @@ def ray_book(model: Path, port: int, gcs: int, **extra: object) -> dict[str, obj
         "dist_port": gcs,
         "ready": {"timeout": "120s", "interval": "0.5s"},
         "stop_grace": "20s",
+        "environment": "ray",
     }
-    return {"hosts": ["h0", "h1"], "services": [{**service, **extra}]}
+    env = {
+        "path": RAY_ENV,
+        # The interpreter the wheels were downloaded for (the fake vLLM comes from PYTHONPATH).
+        "python": sys.executable,
+        "packages": [f"ray=={importlib.metadata.version('ray')}"],
+        "wheels": str(RAY_WHEELS),
+    }
+    return {
+        "hosts": ["h0", "h1"],
+        "environments": {"ray": env},
+        "services": [{**service, **extra}] if services else [],
+    }
 
 
-@unless(HAS_RAY, "ray is not installed in the test environment (dev/setup.sh dev installs it)")
+def env_build(host: FleetHost) -> Path:
+    return Path(os.path.realpath(host.home_dir / "venv-ray"))
+
+
+@unless(RAY_WHEELS is not None, NO_RAY)
 def test_a_two_node_vllm_service_over_a_real_ray_cluster(
     fleet_factory: FleetFactory, ops: Callable[..., Ops]
 ) -> None:
-    """Real Ray (the `ray` CLI beside the hosts' python): a head and a worker node as units
-    big-ray on h0 and h1, then the API server big-0 on h0, which the fake vLLM serves only once
-    its placement group of tp x pp GPUs fits on the cluster."""
+    """Real Ray (the `ray` CLI of the environment dflashops built on each host): a head and a
+    worker node as units big-ray on h0 and h1, then the API server big-0 on h0, which the fake
+    vLLM serves only once its placement group of tp x pp GPUs fits on the cluster."""
     fleet = fleet_factory(h0={"gpus": 2}, h1={"gpus": 2})
-    ray_python = {"python": sys.executable}  # the test venv's: it has ray, and bin/ray beside it
-    ctl = ops(fleet, hosts={"h0": ray_python, "h1": ray_python})
+    with_uv(fleet["h0"], fleet["h1"])
+    ctl = ops(fleet)
     port, gcs = free_ports(1), free_ports(1)
     model = fleet["h0"].dir / "models" / "big"  # Ray's workers load it on every node
     model.mkdir(parents=True)
@@ -281,6 +324,11 @@ def test_a_two_node_vllm_service_over_a_real_ray_cluster(
     assert up.code == 0, up.explain()
     for h in ("h0", "h1"):
         assert up.of("big-ray", host=h, action="start", status="changed"), up.explain()
+        # `ray start` runs from the environment's bin/: its script's shebang names the build.
+        leader = json.loads((unit_dir(fleet[h], "big-ray") / "supervisor.json").read_text())
+        argv = Path(f"/proc/{leader['child_pid']}/cmdline").read_bytes().split(b"\0")
+        build = env_build(fleet[h])
+        assert [os.fsdecode(a) for a in argv[:2]] == [f"{build}/bin/python", f"{build}/bin/ray"]
     assert up.of("big-0", host="h0", action="ready", status="changed"), up.explain()
     assert not [e for e in up.events if e["host"] == "h1" and e["unit"] == "big-0"]
     roots = [m["root"] for m in http_json(port, "/v1/models")["data"]]
@@ -311,9 +359,10 @@ def test_a_two_node_vllm_service_over_a_real_ray_cluster(
 
     # vLLM asking the cluster for more GPUs than it has is refused (the reason the API server
     # waits for every node first).
+    python = str(env_build(fleet["h0"]) / "bin" / "python")
     greedy = subprocess.run(
         [
-            *(sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "-tp", "8"),
+            *(python, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "-tp", "8"),
             *("--distributed-executor-backend", "ray", "--port", str(free_ports(1))),
         ],
         env={**fleet["h0"].env(), "RAY_ADDRESS": f"{fleet['h0'].address}:{gcs}"},
@@ -370,18 +419,23 @@ def test_a_two_node_vllm_service_over_a_real_ray_cluster(
         assert stopped and "by SIGTERM" in stopped[0]["message"], down.explain()
 
 
-@unless(HAS_RAY, "ray is not installed in the test environment (dev/setup.sh dev installs it)")
+@unless(RAY_WHEELS is not None, NO_RAY)
 def test_a_ray_node_that_cannot_start_fails_the_whole_unit_at_once_on_every_host(
     fleet_factory: FleetFactory, ops: Callable[..., Ops]
 ) -> None:
-    """h1's python has no Ray beside it and none is on its PATH: its Ray node dies at once.
-    The API server on h0, waiting for the cluster, fails then too (not at its 120 s ready
-    timeout), naming h1's rank and its log tail, and every part stops on both hosts."""
+    """h1's environment lost its `ray` script and none is on its PATH: its Ray node dies at
+    once. The API server on h0, waiting for the cluster, fails then too (not at its 120 s
+    ready timeout), naming h1's rank and its log tail, and every part stops on both hosts."""
     fleet = fleet_factory(h0={"gpus": 2}, h1={"gpus": 2})
-    ctl = ops(fleet, hosts={"h0": {"python": sys.executable}, "h1": {}})  # h1: system python
+    with_uv(fleet["h0"], fleet["h1"])
+    ctl = ops(fleet)
     port, gcs = free_ports(1), free_ports(1)
     model = fleet["h0"].dir / "models" / "big"
     model.mkdir(parents=True)
+    ctl.playbook("big", ray_book(model, port, gcs, services=False))
+    built = ctl.run("deploy")
+    assert built.code == 0, built.explain()
+    (env_build(fleet["h1"]) / "bin" / "ray").unlink()
     ctl.playbook("big", ray_book(model, port, gcs))
     up = ctl.run("deploy")
     assert up.code != 0, up.explain()

@@ -1,6 +1,7 @@
 """``copy``: make ``dest`` hold what a path on this host holds (``host:`` sources: disk to RAM
 disk), or what a hub repository holds at a revision (``hf:`` sources: downloaded first by
-huggingface_hub's own ``hf`` CLI into the host's cache).
+huggingface_hub's own ``hf`` CLI into the host's cache; the snapshot folder is read from what
+it prints, which differs between its versions).
 
 Request: ``dest``, ``src`` (a path) or ``hub {repo, revision}``, ``secrets`` (env for the hub
 CLI: HF_TOKEN), ``delete``, ``mode``, ``hub_timeout``. Answer: ``{ok, copied, bytes, deleted,
@@ -14,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -32,6 +34,7 @@ from .common import (
 
 CHUNK = 1 << 20
 TAIL = 4000
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def check(request: Json) -> None:
@@ -82,15 +85,27 @@ def download(hub: Json, secrets: Json, timeout: float) -> tuple[str | None, str 
     out = proc.stdout.decode("utf-8", "replace").strip()
     err = proc.stderr.decode("utf-8", "replace").strip()
     if proc.returncode != 0:
-        text = err or out
+        text = ANSI.sub("", err or out)  # the CLI colors its errors even off a terminal
         for secret in secrets.values():
             text = text.replace(secret, "***") if len(secret) >= 4 else text
         return None, f"`hf download {hub['repo']}` failed (exit {proc.returncode}):\n{text[-TAIL:]}"
-    lines = out.splitlines()
-    path = lines[-1].strip() if lines else ""
-    if not os.path.isdir(path):
-        return None, f"`hf download` printed no snapshot folder (got {path[-200:]!r})"
+    path = snapshot_folder(out)
+    if path is None:
+        return None, f"`hf download` printed no snapshot folder (its output: {out[-400:]!r})"
     return path, None
+
+
+def snapshot_folder(stdout: str) -> str | None:
+    """The folder `hf download` downloaded into: the last line of stdout that names an existing
+    folder, bare (huggingface_hub 0.x, ``--quiet``) or as ``path: /...`` after ``✓ Downloaded``
+    (1.x and 2.x, colored or not)."""
+    for line in reversed(stdout.splitlines()):
+        text = ANSI.sub("", line).strip()
+        if text.lower().startswith("path:"):
+            text = text[len("path:") :].strip()
+        if os.path.isabs(text) and os.path.isdir(text):
+            return text
+    return None
 
 
 def copy_one(src: str, dest: str, sha: str, mode: int) -> str | None:
