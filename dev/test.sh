@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/ensure-sshd.sh
 bash dev/setup.sh dev
+bash dev/parsers-env.sh  # the engines' real parsers, built once and cached beside .venv
+bash dev/ray-wheels.sh >/dev/null  # the Ray tests build their environment from it
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy

@@ -39,7 +39,9 @@
      network error`` naming the lost rank, and exits with status 1. A head that stops (even
      cleanly) takes its workers down that way; a worker that dies takes the head down.
    - SIGTERM/SIGINT end a rank that is waiting or a worker that is holding with exit status 0.
-6. Then (rank 0 only) it serves the stub engine in-process with SGLang's endpoints, readiness
+6. ``--config FILE`` (SGLang's own): the file's flags (YAML in JSON form) go before the
+   command line's and are checked like them; so the API key of ``secret_args`` arrives.
+7. Then (rank 0 only) it serves the stub engine in-process with SGLang's endpoints, readiness
    line and /metrics names (sglang:gen_throughput, sglang:num_running_reqs, ...); the
    DFLASHOPS_STUB_* environment knobs apply.
 """
@@ -206,13 +208,14 @@ def _worker(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    stub = load_stub()
+    argv = stub.with_config(argv)  # --config FILE: its flags first, checked like the others
     bad = unrecognized(argv, load_flags("sglang-flags.txt"))
     if bad:
         say(f"usage: {USAGE}", sys.stderr)
         say(f"{PROG}: error: unrecognized arguments: {' '.join(bad)}", sys.stderr)
         return 2
 
-    stub = load_stub()
     parser = stub.build_parser()
     parser.prog = PROG
     args, _ignored = parser.parse_known_args(argv)

@@ -6,7 +6,8 @@
    ``vllm: error: unrecognized arguments: ...`` on stderr, exit status 2.
 2. It prints a vLLM-like banner: ``vLLM API server version 0.33.0`` and ``non-default args:
    {...}``. Unlike real vLLM, tensor_parallel_size and data_parallel_size are always listed,
-   and the api key is redacted.
+   and the api key is redacted. The key is ``--api-key``, else ``VLLM_API_KEY`` (vLLM's rule);
+   ``--config FILE`` (YAML in JSON form) puts its flags before the command line's.
 3. The DP rule (INCIDENTS.md #2): with data_parallel_size > 1, the fake crashes when
    CUDA_VISIBLE_DEVICES is set at all, or when fewer than tp * dp * pp GPUs are visible.
    Real vLLM offsets each DP rank's device index by ``dp_rank * tp * pp`` itself; a device
@@ -304,12 +305,15 @@ def _run_api_server(stub: Any, settings: dict[str, Any]) -> int:
 
 
 def serve(argv: list[str]) -> int:
+    argv = load_stub().with_config(argv)  # vLLM's --config FILE: its flags before the others
     bad = unrecognized(argv, load_flags("vllm-flags.txt"), negatable=True)
     if bad:
         say("usage: vllm serve [model_tag] [options]", sys.stderr)
         say(f"vllm: error: unrecognized arguments: {' '.join(bad)}", sys.stderr)
         return 2
     args, _ignored = build_parser().parse_known_args(argv)
+    # vLLM's own rule: --api-key, else VLLM_API_KEY; either makes /v1 demand the Bearer key.
+    args.api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
     model = args.model_tag or args.model
     if not model:
         say("vllm: error: the following arguments are required: model_tag", sys.stderr)

@@ -1,0 +1,1 @@
+"""Fake sglang.srt: only the parser entry points (see pylib/_fakeparser.py)."""
