@@ -7,6 +7,8 @@ import sys
 from rich.console import Console
 from rich.markup import escape as rich_escape
 
+from dflashops.hosts.inert import inert
+
 
 def console(stderr: bool = False) -> Console:
     # highlight=False: rich would otherwise colour numbers and paths inside our messages at random.
@@ -17,7 +19,8 @@ def console(stderr: bool = False) -> Console:
 
 
 def err(message: str) -> None:
-    console(stderr=True).print(f"[bold red]error:[/] {escape(message)}")
+    # Errors carry host text (an agent's stderr, a log's end): shown inert.
+    console(stderr=True).print(f"[bold red]error:[/] {escape(inert(message))}")
 
 
 def escape(text: str) -> str:

@@ -12,6 +12,7 @@ from dflashops.agent import Agent
 from dflashops.config.load import load_inventory
 from dflashops.errors import DflashopsError
 from dflashops.hosts import connect
+from dflashops.hosts.inert import inert
 from dflashops.output import escape
 from dflashops.project import find_inventory, split_names
 from dflashops.transfer import human, listing, pull
@@ -52,7 +53,8 @@ def fetch(
         conn.close()
     size = sum(src[rel][0] for rel in fetched)
     for rel, why in failed.items():
-        out.print(f"[red]failed:[/] {escape(f'[{host.name}] {remote}/{rel}: {why}')}")
+        # The host names its files: shown inert (an escape sequence in a name is data).
+        out.print(f"[red]failed:[/] {escape(inert(f'[{host.name}] {remote}/{rel}: {why}'))}")
     kept = len(src) - len(fetched) - len(failed)
     line = (
         f"[{host.name}] {remote} -> {dest}: {len(fetched)} file(s), {human(size)} in "

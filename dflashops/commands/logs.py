@@ -10,6 +10,7 @@ from rich.console import Console
 from dflashops.commands.common import prepare
 from dflashops.errors import DflashopsError, HostError
 from dflashops.events import EventLog
+from dflashops.hosts.inert import inert
 from dflashops.lifecycle import Options
 from dflashops.output import escape
 
@@ -23,9 +24,12 @@ def logs(
     playbooks: list[str] | None = None,
     lines: int = 100,
     follow: bool = False,
+    raw: bool = False,
 ) -> int:
     """The unit is looked up in the playbooks; a unit they do not name (an orphan) is read
-    from the one host given with --host."""
+    from the one host given with --host. The log is shown inert (DESIGN.md "Trust boundary"
+    2) unless ``raw``."""
+    shown = (lambda text: text) if raw else inert
     target = prepare(out, inventory, hosts, playbooks, all_named_hosts=True)
     places = [h for h, rs in target.rendered.items() for r in rs if r.unit.name == unit]
     if not places and len(target.hosts) == 1:
@@ -45,15 +49,16 @@ def logs(
         result = run.agent.tail(facts.workdir, unit, lines=lines)
         if result.log is None:
             raise HostError(host_name, f"{unit} has no log yet (never started?)")
-        out.print(f"[dim]==> {escape(f'[{host_name}] {unit} {result.log}')}[/]")
-        out.out(result.text, end="", highlight=False)
+        out.print(f"[dim]==> {escape(inert(f'[{host_name}] {unit} {result.log}'))}[/]")
+        out.out(shown(result.text), end="", highlight=False)
         offset, log = result.offset, result.log
         while follow:
             time.sleep(1.0)
             more = run.agent.tail(facts.workdir, unit, offset=offset, log=log)
             if more.rotated:
-                out.print(f"[dim]==> {escape(f'[{host_name}] {unit} now logs to {more.log}')}[/]")
-            out.out(more.text, end="", highlight=False)
+                line = inert(f"[{host_name}] {unit} now logs to {more.log}")
+                out.print(f"[dim]==> {escape(line)}[/]")
+            out.out(shown(more.text), end="", highlight=False)
             offset, log = more.offset, more.log or log
     except KeyboardInterrupt:
         return 0

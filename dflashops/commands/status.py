@@ -15,6 +15,7 @@ from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import Host
 from dflashops.engines import identity
 from dflashops.events import EventLog
+from dflashops.hosts.inert import inert
 from dflashops.lifecycle import Options, health_text, probe_spec
 from dflashops.metrics import Memory, Reading, shown
 from dflashops.orphans import Orphan
@@ -138,7 +139,8 @@ def status(
     bad = False
     for name, outcome in outcomes.items():
         if outcome.value is None:
-            table.add_row(
+            add_row(
+                table,
                 name,
                 "-",
                 "[red]unreachable[/]",
@@ -152,7 +154,8 @@ def status(
         for o in orphans:
             row = orphan_row(name, o, facts)
             rows.append(row)
-            table.add_row(
+            add_row(
+                table,
                 name,
                 o.name,
                 "[magenta]orphan[/]",
@@ -182,7 +185,8 @@ def status(
             color = STATE_COLORS.get(row["state"], "red")
             bad = bad or color == "red"
             rank = f" [rank {r.unit.rank}/{len(r.unit.nodes)}]" if r.unit.multi_node else ""
-            table.add_row(
+            add_row(
+                table,
                 name,
                 escape(r.unit.name + rank),
                 f"[{color}]{row['state']}[/]",
@@ -202,12 +206,18 @@ def status(
     memory.save()
     out.print(table)
     for host_name, unit, ended, text in failures:
-        out.print(f"[red]==> {escape(f'[{host_name}] {unit} ({ended}), end of its log:')}[/]")
-        out.out(text.rstrip("\n"), highlight=False)
+        line = inert(f"[{host_name}] {unit} ({ended}), end of its log:")
+        out.print(f"[red]==> {escape(line)}[/]")
+        out.out(inert(text.rstrip("\n")), highlight=False)
     if json_path:
         with open(json_path, "w", encoding="utf-8") as handle:
             handle.write("\n".join(json.dumps(row, default=str) for row in rows) + "\n")
     return 2 if bad else 0
+
+
+def add_row(table: Table, *cells: str) -> None:
+    """A row of host text (health, progress, fingerprints, errors): shown inert."""
+    table.add_row(*(inert(cell) for cell in cells))
 
 
 COLUMNS = (

@@ -11,6 +11,7 @@ one frame (for scripts and tests): exit 0 whatever the units' states, 2 when no 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from dflashops.config.inventory import Host
 from dflashops.config.types import parse_duration
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
+from dflashops.hosts.inert import inert
 from dflashops.lifecycle import HostRun, Options, probe_spec
 from dflashops.metrics import Memory, Reading, shown
 from dflashops.output import duration, escape
@@ -169,6 +171,17 @@ STATE_STYLE = {
 }
 
 
+def add_row(table: Table, *cells: str) -> None:
+    """A row of host text (a progress file's fields, an error): shown inert."""
+    table.add_row(*(inert(cell) for cell in cells))
+
+
+def number(value: Any) -> float:
+    """A progress file's number (the job writes it: anything else counts as 0)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if ok and math.isfinite(value) else 0.0
+
+
 def frame(watch: Watch) -> Group:
     now = time.time()
     servers = Table(
@@ -214,7 +227,7 @@ def frame(watch: Watch) -> Group:
     for name, view in watch.views.items():
         if view.result is None:
             reason = escape((view.error or "no answer yet").removeprefix(f"[{name}] ")[:80])
-            servers.add_row(name, "-", "[red]unreachable[/]", reason)
+            add_row(servers, name, "-", "[red]unreachable[/]", reason)
             continue
         result = view.result
         gpus = result.gpus
@@ -233,7 +246,8 @@ def frame(watch: Watch) -> Group:
                     util = f"{sum(utils) / len(utils):.0f}%" if utils else "-"
                     used = sum(d.memory_used_mib or 0 for d in devices)
                     mem = f"{used / 1024:.0f}G" if devices else "-"
-                servers.add_row(
+                add_row(
+                    servers,
                     name,
                     r.unit.name,
                     f"[{style}]{state}[/]",
@@ -253,16 +267,17 @@ def frame(watch: Watch) -> Group:
                 host_queue += m.queued or 0.0
             else:
                 prog = (p.progress if p else None) or {}
-                done, total = prog.get("done") or 0, prog.get("total") or 0
-                rate = prog.get("requests_per_s")
-                jobs.add_row(
+                done, total = number(prog.get("done")), number(prog.get("total"))
+                rate, eta = number(prog.get("requests_per_s")), number(prog.get("eta_s"))
+                add_row(
+                    jobs,
                     name,
                     r.unit.name,
                     f"[{style}]{state}[/]",
                     bar(done, total) if total else "-",
-                    f"{done:,}/{total:,}" if total else "-",
-                    f"{rate:.1f}/s" if isinstance(rate, (int, float)) else "-",
-                    duration(prog.get("eta_s")) if state == "running" else "-",
+                    f"{done:,.0f}/{total:,.0f}" if total else "-",
+                    f"{rate:.1f}/s" if rate else "-",
+                    duration(eta) if state == "running" and eta else "-",
                     str(prog.get("failed", "-")),
                 )
         totals.add_row(

@@ -94,7 +94,8 @@ def vllm_args(text: str | None) -> dict[str, Any] | None:
         return None
     try:
         value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        # TypeError: a dict of unhashable keys ({[]: 1}), which the log may hold as well.
         return None
     return value if isinstance(value, dict) else None
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from dflashops.hosts.connection import Command, Input, Result, Sink, Stream
+from dflashops.hosts.untrusted import Bounded
 
 
 class BaseConnection(ABC):
@@ -30,5 +31,8 @@ class BaseConnection(ABC):
         """Start ``command`` and keep it: requests go in, answer lines come out."""
 
     def get(self, path: str, timeout: float | None = 120.0) -> bytes:
-        """Read a file from the host (checked: a missing file raises, it does not return b'')."""
-        return self.run(["cat", "--", path], timeout=timeout).stdout
+        """Read a file from the host (checked: a missing file raises, it does not return b'');
+        at most ANSWER_LIMIT bytes, as any answer (HostileHost past it)."""
+        sink = Bounded(self.host)
+        self.run(["cat", "--", path], timeout=timeout, stdout=sink)
+        return bytes(sink.data)

@@ -40,6 +40,7 @@ from dflashops.hosts.hostkeys import (
     key_name,
     lookup,
 )
+from dflashops.hosts.untrusted import LINE_LIMIT, keep_tail, too_large
 
 CONNECT_TIMEOUT = 15.0
 KEEPALIVE = 30
@@ -54,7 +55,8 @@ class SshStream:
     def __init__(self, host: str, channel: paramiko.Channel) -> None:
         self.host = host
         self.channel = channel
-        self.buffer = b""
+        self.buffer = bytearray()
+        self.scanned = 0  # bytes of buffer known to hold no newline
 
     def send(self, data: bytes) -> None:
         # paramiko's sendall re-slices what is left after every packet: quadratic in the size
@@ -68,7 +70,11 @@ class SshStream:
 
     def readline(self, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
-        while b"\n" not in self.buffer:
+        while (end := self.buffer.find(b"\n", self.scanned)) < 0:
+            self.scanned = len(self.buffer)
+            if self.scanned > LINE_LIMIT:
+                self.close()  # it floods: nothing it says next is read
+                raise too_large(self.host, "a line of the agent's answer", LINE_LIMIT)
             if self.channel.recv_ready():
                 self.buffer += self.channel.recv(1 << 16)
                 continue
@@ -78,18 +84,20 @@ class SshStream:
             if left <= 0:
                 raise CommandTimeout(self.host, f"no answer within {timeout:.0f}s")
             select.select([self.channel], [], [], min(left, 0.5))
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return line + b"\n"
+        line = bytes(self.buffer[: end + 1])
+        del self.buffer[: end + 1]
+        self.scanned = 0
+        return line
 
     def ending(self) -> Result:
         code = -1
         if self.channel.exit_status_ready():
             code = self.channel.recv_exit_status()
-        err = b""
+        err = bytearray()
         with contextlib.suppress(Exception):
             while self.channel.recv_stderr_ready():
-                err += self.channel.recv_stderr(1 << 16)
-        return Result("agent stream", code, self.buffer, err)
+                keep_tail(err, self.channel.recv_stderr(1 << 16))
+        return Result("agent stream", code, bytes(self.buffer), bytes(err))
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -237,6 +245,7 @@ class SshConnection(BaseConnection):
         if transport is None or not transport.is_active():
             raise HostError(self.host, f"connection to {self.where} is closed")
         self.commands += 1
+        channel: paramiko.Channel | None = None
         try:
             channel = transport.open_session(timeout=self.timeout)
             channel.exec_command(shell)
@@ -247,6 +256,10 @@ class SshConnection(BaseConnection):
                 self.host,
                 f"connection to {self.where} lost while running {shell[:120]!r}: {exc or type(exc).__name__}",
             ) from None
+        except BaseException:  # the sink refused what came (too large, unwritable): end it now
+            if channel is not None:
+                channel.close()
+            raise
         code = channel.recv_exit_status()
         channel.close()
         if code == -1:
@@ -288,7 +301,7 @@ class SshConnection(BaseConnection):
                     sink(data)
                 got = True
             while channel.recv_stderr_ready():
-                err += channel.recv_stderr(1 << 16)
+                keep_tail(err, channel.recv_stderr(1 << 16))
                 got = True
             if (
                 channel.exit_status_ready()
