@@ -50,5 +50,10 @@ class HostError(DflashopsError):
         super().__init__(f"[{host}] {message}")
 
 
+class HostBusy(HostError):
+    """The host answered, but another actor holds its deploy lock: nothing was changed there.
+    Reported as failed, not unreachable: the host is fine, the operator has to wait or unlock."""
+
+
 class TransferError(HostError):
     """A file did not arrive intact; the previous version is still in place."""

@@ -15,7 +15,6 @@ import difflib
 import hashlib
 import json
 import os
-import shlex
 import threading
 import time
 from collections.abc import Callable
@@ -25,16 +24,20 @@ from datetime import datetime, timezone
 
 from dflashops.agent import Agent
 from dflashops.agent.answers import HostFacts, ProbeSpec, StopResult, UnitProbe
+from dflashops.agent.lock import take as hold_lock
 from dflashops.changes import Change, describe_state, plan_changes
 from dflashops.config.inventory import Host
 from dflashops.config.playbook import Job, Ready
 from dflashops.engines import identity
+from dflashops.engines.secrets import auth_headers as secret_auth
+from dflashops.engines.secrets import files as secret_files
 from dflashops.errors import HostError
 from dflashops.events import EventLog
 from dflashops.hosts import connect
 from dflashops.hosts.base import BaseConnection
 from dflashops.nodestate import NodeState
 from dflashops.orphans import Orphan, blocking, find, ways_out
+from dflashops.preflight.parsers import before_restart
 from dflashops.render import Rendered
 from dflashops.spans import Spans, label, span_of
 from dflashops.stage import Stage, envs_request, files_request
@@ -54,6 +57,7 @@ class Options:
     prune: bool = False  # deploy: stop orphans and move their folders to units/.pruned/
     keep_logs: int = 20
     gpu_timeout: float = 60.0
+    lock_wait: float = 0.0  # s to wait for a host's deploy lock held by another actor
     abort: threading.Event = field(default_factory=threading.Event)  # set on Ctrl-C
     spans: Spans = field(default_factory=Spans)  # the hosts' word on units over several hosts
 
@@ -184,7 +188,20 @@ class HostRun:
         finally:
             self.opts.spans.end(self.spans, self.host.name)
 
+    def take_lock(self, command: str) -> None:
+        """The host's deploy lock, held by this run's agent session until close() (one actor
+        per host: a second is refused naming us, or waits with --lock-wait)."""
+
+        def waiting(text: str) -> None:
+            self.emit(None, "info", "lock", text)
+
+        hold_lock(
+            self.agent, self.host.workdir, command, self.opts.lock_wait, self.opts.abort, waiting
+        )
+
     def _deploy(self) -> None:
+        if not self.opts.check:  # a plan changes nothing: it needs no lock
+            self.take_lock("deploy")
         facts = self.gather(probe=True)
         self._orphans()
         self.stage = stage = Stage(self, self.node, facts)
@@ -220,6 +237,9 @@ class HostRun:
             payloads=changes,
             extra=self._notify(facts),
         )
+        # The engine in the unit's environment judges a changed command line before the old
+        # process goes: one it rejects fails here and keeps running (DESIGN "Real parts" 3).
+        restarts = before_restart(self, restarts)
         self._stop(restarts)
         self._ship([c for c in restarts if c.name not in self.failed])
         services = [c for c in changes if c.rendered.unit.kind == "service"]
@@ -355,15 +375,16 @@ class HostRun:
                     f"GPU {gpu} holds memory of processes dflashops did not start: {held}; not started (--force starts anyway)",
                 )
                 return False
-        missing = [src for src in unit.spec.secret_env.values() if src not in os.environ]
+        sources = [*unit.spec.secret_env.values(), *c.rendered.launch.secrets.sources()]
+        missing = sorted({src for src in sources if src not in os.environ})
         if missing:
             self.fail(
                 c.name,
                 "start",
-                f"secret_env needs {', '.join(missing)} set on the controller; not started",
+                f"secret_env/secret_args need {', '.join(missing)} set on the controller; not started",
             )
             return False
-        self.events.add_secrets(os.environ[src] for src in unit.spec.secret_env.values())
+        self.events.add_secrets(os.environ[src] for src in sources)
         return True
 
     def _show_diffs(self, facts: HostFacts, changes: list[Change]) -> None:
@@ -415,22 +436,17 @@ class HostRun:
     def _unit_files(self, c: Change) -> list[tuple[bytes, str, int]]:
         r = c.rendered
         base = self.unit_dir(c.name)
+        # Only the host's user reads what a unit runs with (DESIGN trust 4).
         files = [
-            (r.script.encode(), f"{base}/launch.sh", 0o755),
+            (launch_bytes(r), f"{base}/launch.sh", 0o700),
             (
                 json.dumps(unit_record(r, self._content_of(r)), indent=1).encode() + b"\n",
                 f"{base}/unit.json",
-                0o644,
+                0o600,
             ),
         ]
-        secrets = r.unit.spec.secret_env
-        if secrets:
-            body = "".join(
-                f"{k}={shlex.quote(os.environ[v])}\n"
-                for k, v in sorted(secrets.items())
-                if v in os.environ
-            )
-            files.append((body.encode(), f"{base}/secrets.env", 0o600))
+        hidden = secret_files(r.launch.secrets, r.unit.spec.secret_env, os.environ)
+        files.extend((body, f"{base}/{name}", 0o600) for name, body in hidden.items())
         return files
 
     def _content_of(self, r: Rendered) -> dict[str, str | None]:
@@ -458,7 +474,12 @@ class HostRun:
         self.check_abort()
         if not changes:
             return
-        results = self.agent.start(self.workdir, [(c.name, self.opts.keep_logs) for c in changes])
+        # The launch.sh each start must find on disk: the one this run shipped (or found there
+        # already, the same bytes): another actor's script is never started in our name.
+        shipped = {c.name: hashlib.sha256(launch_bytes(c.rendered)).hexdigest() for c in changes}
+        results = self.agent.start(
+            self.workdir, [(c.name, self.opts.keep_logs) for c in changes], shipped
+        )
         for c in changes:
             res = results.get(c.name)
             if res is None or not res.ok:
@@ -495,6 +516,7 @@ class HostRun:
             self.opts.spans.end(self.spans, self.host.name)
 
     def _restart_services(self, rolling: bool) -> None:
+        self.take_lock("restart-servers")
         facts = self.gather()
         changes = [
             c for c in plan_changes(self.rendered, facts) if c.rendered.unit.kind == "service"
@@ -532,6 +554,7 @@ class HostRun:
         unit in the host's workdir (``everything``: no -p); else the selected playbooks' units
         and the orphans. Jobs first, then services, then the rest. Units of the playbooks keep
         their stop_grace; any other unit stops with the grace recorded when it was deployed."""
+        self.take_lock("stop")
         facts = self.gather()
         grace: dict[str, float | None] = {
             r.unit.name: r.unit.spec.stop_grace for r in self.rendered
@@ -899,6 +922,11 @@ def ready_settings(r: Rendered) -> Ready:
     return Ready() if isinstance(spec, Job) else spec.ready
 
 
+def launch_bytes(r: Rendered) -> bytes:
+    """launch.sh as shipped: what a start checks on disk."""
+    return r.script.encode()
+
+
 def unit_record(r: Rendered, content: dict[str, str | None] | None = None) -> dict[str, object]:
     u = r.unit
     return {
@@ -937,9 +965,9 @@ def probe_spec(r: Rendered, metrics: bool = False) -> ProbeSpec:
 
 
 def auth_headers(r: Rendered) -> dict[str, str]:
-    spec = r.unit.spec
-    key = spec.args.get("api-key") if not isinstance(spec, Job) else None
-    return {"Authorization": f"Bearer {key}"} if isinstance(key, str) else {}
+    """The key of secret_args' api-key, from the controller's environment: probes never read
+    it from a file on the host (nor from the playbook, where pre-flight refuses it)."""
+    return secret_auth(r.unit, os.environ)
 
 
 def stopped_text(res: StopResult) -> str:

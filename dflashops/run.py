@@ -14,7 +14,7 @@ from typing import Generic, TypeVar
 
 from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import Host
-from dflashops.errors import DflashopsError
+from dflashops.errors import DflashopsError, HostBusy
 
 T = TypeVar("T")
 
@@ -25,6 +25,7 @@ class Outcome(Generic[T]):
     value: T | None = None
     error: str | None = None
     unexpected: bool = False  # an exception that is a dflashops bug, not a host problem
+    busy: bool = False  # reached, but another actor holds its deploy lock
 
     @property
     def ok(self) -> bool:
@@ -45,6 +46,8 @@ def on_hosts(
     def one(host: Host) -> Outcome[T]:
         try:
             return Outcome(host.name, value=fn(host))
+        except HostBusy as exc:
+            return Outcome(host.name, error=str(exc), busy=True)
         except DflashopsError as exc:
             return Outcome(host.name, error=str(exc))
         except Exception as exc:  # reported per host: one bug never hides the other hosts

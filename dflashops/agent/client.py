@@ -27,6 +27,7 @@ from dflashops.agent.answers import (
     GpuFacts,
     HostFacts,
     Listening,
+    LockAnswer,
     ProbeResult,
     ProbeSpec,
     ReceiveResult,
@@ -41,6 +42,7 @@ from dflashops.agent.answers import (
     summarize,
 )
 from dflashops.agent.bundle import bundle, command
+from dflashops.agent.reading import Frames, last_json_object
 from dflashops.errors import HostError, TransferError
 from dflashops.hosts.connection import (
     CommandTimeout,
@@ -51,9 +53,11 @@ from dflashops.hosts.connection import (
     chunks,
     tail,
 )
+from dflashops.hosts.untrusted import Bounded, HostileHost, TooDeep, loads
 
 SCHEMA = 2  # what dflashops_agent.main answers with
 SLACK = 30.0  # on top of an action's own waits: interpreter start, /proc scans, the link
+RELOCK_WAIT = 10.0  # s a new session waits for the deploy lock its ended predecessor held
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -70,6 +74,9 @@ class Agent:
         # keep: the KEPT actions go to one agent kept running (a session) until close().
         self.keep = keep
         self.session: Session | None = None
+        # The deploy lock this agent's session holds (its request), taken again by the next
+        # session when one ends mid-run (see kept).
+        self.locked: dict[str, Any] | None = None
         self.round_trips = 0  # requests answered (one per call; a session's are on one command)
 
     @property
@@ -103,22 +110,42 @@ class Agent:
         stdin: Input = (
             head + data if isinstance(data, bytes) else itertools.chain((head,), data or ())
         )
+        # Never more than ANSWER_LIMIT bytes of an answer: one more ends the command at once.
+        bounded = Bounded(self.host)
         result = self.conn.run(
             command(self.python),
             input=stdin,
             timeout=timeout,
             check=False,
-            stdout=frames.feed if frames is not None else None,
+            stdout=frames.feed if frames is not None else bounded,
         )
         if frames is not None:
             frames.close()
-            result = Result(result.command, result.exit_code, frames.tail, result.stderr)
-        return self.answer(action, result)
+        out = frames.tail if frames is not None else bytes(bounded.data)
+        return self.answer(action, Result(result.command, result.exit_code, out, result.stderr))
 
     def kept(self) -> Session:
         if self.session is None:
             self.session = Session(self)
+            if self.locked is not None:
+                self._relock(self.session, self.locked)
         return self.session
+
+    def _relock(self, session: Session, request: dict[str, Any]) -> None:
+        """A session ended mid-run (a wait cut short, a timeout) and took the deploy lock with
+        it: the new one holds it again before anything else, or the run stops on this host.
+        The ended session's agent may still be exiting: a few seconds' wait covers it."""
+        data = session.call("lock", dict(request, wait=RELOCK_WAIT), timeout=RELOCK_WAIT + SLACK)
+        got = self.validate(LockAnswer, data, "lock")
+        if not got.ok:
+            self.locked = None
+            self.close()
+            holder = got.holder.describe() if got.holder is not None else "another actor"
+            raise AgentError(
+                self.host,
+                f"lost the deploy lock when the agent session ended, and {holder} holds it "
+                f"now: this run stops on this host{f' ({got.error})' if got.error else ''}",
+            )
 
     def answer(self, action: str, result: Result) -> dict[str, Any]:
         """The answer as a dict, checked for exit code, shape, schema and action."""
@@ -148,7 +175,12 @@ class Agent:
                 self.host,
                 f"{what} printed nothing (python {py!r}, exit code 0): no answer is not success{stderr}",
             )
-        data = last_json_object(text)
+        try:
+            data = last_json_object(text)
+        except TooDeep as exc:
+            raise HostileHost(
+                self.host, f"{what} answered with {exc}: refused (a broken or hostile host)"
+            ) from None
         if data is None:
             shown = text[:200] + ("..." if len(text) > 200 else "")
             raise AgentError(
@@ -294,7 +326,12 @@ class Agent:
             self.answer("rendezvous", stream.ending())  # raises, saying why
             raise AgentError(self.host, "the rendezvous check ended without an answer") from None
         if raw.startswith(b'{"listening"'):  # the head's "I am listening" line
-            return self.validate(Listening, json.loads(raw), "rendezvous")
+            try:
+                return self.validate(Listening, loads(raw), "rendezvous")
+            except (ValueError, TooDeep) as exc:
+                raise AgentError(
+                    self.host, f"the rendezvous line is not an answer: {exc}"
+                ) from None
         data = self.answer("rendezvous", Result("agent rendezvous", 0, raw, b""))
         return self.validate(Listening, data, "rendezvous")
 
@@ -311,11 +348,24 @@ class Agent:
         data = self.call("rendezvous", request, timeout=timeout + SLACK)
         return self.validate(Dialled, data, "rendezvous")
 
-    def start(self, workdir: str, units: Sequence[tuple[str, int]]) -> dict[str, StartResult]:
-        """Start each ``(name, keep_logs)`` unit; returns at once (it never waits for the engine)."""
+    def start(
+        self,
+        workdir: str,
+        units: Sequence[tuple[str, int]],
+        scripts: dict[str, str] | None = None,
+    ) -> dict[str, StartResult]:
+        """Start each ``(name, keep_logs)`` unit; returns at once (it never waits for the
+        engine). ``scripts``: the sha256 of the launch.sh this run shipped, per unit: the host
+        refuses a unit whose launch.sh on disk differs (another actor changed it)."""
         if not units:
             return {}
-        request = {"workdir": workdir, "units": [{"name": n, "keep_logs": k} for n, k in units]}
+        shipped = scripts or {}
+        request = {
+            "workdir": workdir,
+            "units": [
+                {"name": n, "keep_logs": k, "launch_sha256": shipped.get(n)} for n, k in units
+            ],
+        }
         data = self.call("start", request, timeout=60.0)
         return self.per_unit(StartResult, data, [n for n, _ in units])
 
@@ -407,6 +457,8 @@ class Agent:
         silence = report_every + 2 * http_timeout + SLACK  # longer without a line: lost
         self.round_trips += 1
         kept = self.kept() if self.keep else None
+        if kept is not None:
+            kept.settle(timeout=silence)  # what rides ahead is answered before the reports
         stream = kept.stream if kept is not None else self.conn.stream(command(self.python))
         done = False
         try:
@@ -596,7 +648,22 @@ class Agent:
         return out
 
 
-KEPT = ("facts", "probe", "tail", "scan", "write", "start", "stop", "wait")  # = agent SERVED
+KEPT = (  # = SERVED
+    "facts",
+    "probe",
+    "tail",
+    "scan",
+    "write",
+    "start",
+    "stop",
+    "wait",
+    "lock",
+    "engine_args",
+)
+
+
+# A request riding ahead of a session's next call: its action, its line, what takes its answer.
+Ahead = tuple[str, bytes, Callable[[dict[str, Any]], None]]
 
 
 class Session:
@@ -609,16 +676,49 @@ class Session:
         self.agent = agent
         self.stream = agent.conn.stream(command(agent.python))
         self.stream.send(bundle() + b'{"action":"serve"}\n')
+        # Requests that ride with the next call (the deploy lock): sent just before it and
+        # answered just before it, so they cost no round trip of their own.
+        self.ahead: list[Ahead] = []
+
+    def send_ahead(
+        self, action: str, request: dict[str, Any], then: Callable[[dict[str, Any]], None]
+    ) -> None:
+        """``request`` goes with the next call; ``then`` gets its checked answer (and may
+        raise: the call's own answer has been read by then, so the session stays in step)."""
+        line = json.dumps({"action": action, **request}, separators=(",", ":")).encode()
+        self.ahead.append((action, line, then))
+
+    def settle(self, timeout: float) -> None:
+        """Send what waits to ride ahead now, and handle its answers (before a stream of
+        lines of another kind: wait)."""
+        ahead, self.ahead = self.ahead, []
+        if ahead:
+            answers = self._exchange(ahead[0][0], [line for _, line, _ in ahead], b"", timeout)
+            self._then(ahead, answers)
+
+    def _then(self, ahead: list[Ahead], got: list[bytes]) -> None:
+        for (action, _, then), raw in zip(ahead, got, strict=True):
+            then(self.agent.answer(action, Result(f"agent session: {action}", 0, raw, b"")))
 
     def call(
         self, action: str, request: dict[str, Any], *, data: Input = b"", timeout: float
     ) -> dict[str, Any]:
         line = json.dumps({"action": action, **request}, separators=(",", ":")).encode()
+        ahead, self.ahead = self.ahead, []
+        answers = self._exchange(action, [a[1] for a in ahead] + [line], data, timeout)
+        self._then(ahead, answers[:-1])
+        return self._answer(action, answers[-1])
+
+    def _exchange(
+        self, action: str, lines: list[bytes], data: Input, timeout: float
+    ) -> list[bytes]:
+        """Send request lines (``data`` after the last), read one answer line for each."""
         try:
-            self.stream.send(line + b"\n")
+            for line in lines:
+                self.stream.send(line + b"\n")
             for chunk in chunks(data):
                 self.stream.send(chunk)
-            got = self.stream.readline(timeout)
+            return [self.stream.readline(timeout) for _ in lines]
         except StreamEnded:
             ending = self.stream.ending()
             self.agent.close()
@@ -627,9 +727,14 @@ class Session:
         except BaseException:  # a timeout, Ctrl-C: the session's state is unknown
             self.agent.close()
             raise
+
+    def _answer(self, action: str, got: bytes) -> dict[str, Any]:
         if got.startswith(b'{"schema":%d,"action":null' % SCHEMA):  # refused: the session ended
             self.agent.close()
-            why = json.loads(got).get("error")
+            try:
+                why = loads(got).get("error")
+            except (ValueError, TooDeep, AttributeError):
+                why = "a refusal that does not parse"
             raise AgentError(self.host, f"the dflashops agent ({action}): {why} (a dflashops bug)")
         return self.agent.answer(action, Result(f"agent session: {action}", 0, got, b""))
 
@@ -651,65 +756,3 @@ def observe_request(
         "log_lines": 0,
         "gpus": True,
     }
-
-
-class Frames:
-    """A ``send`` answer as it streams: each file's header line and bytes go to the file that
-    ``open_file(header)`` returns (append mode, from the header's offset); what follows the
-    last file is the answer line."""
-
-    def __init__(self, open_file: Any) -> None:
-        self.open_file = open_file
-        self.buffer = bytearray()
-        self.current: Any = None
-        self.left = 0
-        self.tail = b""
-
-    def feed(self, data: bytes) -> None:
-        self.buffer += data
-        while self.buffer:
-            if self.current is not None:
-                take = min(self.left, len(self.buffer))
-                self.current.write(bytes(self.buffer[:take]))
-                del self.buffer[:take]
-                self.left -= take
-                if self.left == 0:
-                    self.current.close()
-                    self.current = None
-                continue
-            end = self.buffer.find(b"\n")
-            if end < 0:
-                return
-            line = bytes(self.buffer[: end + 1])
-            header = last_json_object(line.decode("utf-8", "replace").strip())
-            if header is None or "rel" not in header or "schema" in header:
-                self.tail += line  # the answer (or a login banner before the first file)
-                del self.buffer[: end + 1]
-                continue
-            del self.buffer[: end + 1]
-            self.current = self.open_file(header)
-            self.left = int(header["size"]) - int(header["offset"])
-            if self.left == 0:
-                self.current.close()
-                self.current = None
-
-    def close(self) -> None:
-        """The stream ended: a file cut short stays as it is (a partial, resumed next time)."""
-        if self.current is not None:
-            self.current.close()
-            self.current = None
-        self.tail += bytes(self.buffer)
-        self.buffer.clear()
-
-
-def last_json_object(text: str) -> dict[str, Any] | None:
-    """The answer: the whole output, or else its last line (a login shell that prints a banner
-    to stdout must not break the call). None when neither is a JSON object."""
-    for candidate in (text, text.rsplit("\n", 1)[-1]):
-        try:
-            value = json.loads(candidate)
-        except ValueError:
-            continue
-        if isinstance(value, dict):
-            return value
-    return None

@@ -199,7 +199,7 @@ def each_host(
             target.warm.close()  # what no host's run took
     for name, outcome in outcomes.items():
         if not outcome.ok:
-            status = "failed" if outcome.unexpected else "unreachable"
+            status = "failed" if outcome.unexpected or outcome.busy else "unreachable"
             message = (outcome.error or "failed").removeprefix(f"[{name}] ")  # the line names it
             events.emit(name, None, status, "host", message)  # type: ignore[arg-type]
     ok = events.print_recap(target.hosts)

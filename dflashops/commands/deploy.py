@@ -28,7 +28,9 @@ def deploy(
     prune: bool = False,
     forks: int = DEFAULT_FORKS,
     json_path: str | None = None,
+    lock_wait: str | None = None,
 ) -> int:
+    wait = lock_seconds(lock_wait)
     target = prepare(out, inventory, hosts, playbooks, warm_forks=forks)
     if prune and target.known is None:
         raise DflashopsError(
@@ -38,8 +40,20 @@ def deploy(
     if not check:
         rendezvous_first(out, target, force)
     events = EventLog(out, json_path)
-    opts = Options(check=check, diff=diff, force=force, rerun=rerun, prune=prune)
+    opts = Options(check=check, diff=diff, force=force, rerun=rerun, prune=prune, lock_wait=wait)
     return each_host(out, target, events, forks, lambda run: run.deploy(), opts)
+
+
+def lock_seconds(value: str | None) -> float:
+    """--lock-wait DURATION in seconds (0: refused at once when another actor holds a host)."""
+    from dflashops.config.types import parse_duration
+
+    if value is None:
+        return 0.0
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise DflashopsError(f"--lock-wait {value!r}: {exc}") from None
 
 
 def rendezvous_first(out: Console, target: Target, force: bool) -> None:
@@ -89,10 +103,12 @@ def restart_servers(
     force: bool = False,
     forks: int = DEFAULT_FORKS,
     json_path: str | None = None,
+    lock_wait: str | None = None,
 ) -> int:
+    wait = lock_seconds(lock_wait)
     target = prepare(out, inventory, hosts, playbooks)
     events = EventLog(out, json_path)
-    opts = Options(force=force)
+    opts = Options(force=force, lock_wait=wait)
     return each_host(
         out, target, events, forks, lambda run: run.restart_services(rolling=not all_at_once), opts
     )
@@ -107,15 +123,18 @@ def stop(
     units: list[str] | None = None,
     forks: int = DEFAULT_FORKS,
     json_path: str | None = None,
+    lock_wait: str | None = None,
 ) -> int:
     """Without --unit: every unit dflashops started on the targeted hosts, or with -p that
     playbook's units and the orphans. With --unit: those units wherever they run here, orphans
     too; a name found on no targeted host is an error."""
+    wait = lock_seconds(lock_wait)
     target = prepare(out, inventory, hosts, playbooks, all_named_hosts=True)
     names = split_names(units) or None
     events = EventLog(out, json_path)
     everything = not target.explicit_playbooks
-    code = each_host(out, target, events, forks, lambda run: run.stop(names, everything), Options())
+    opts = Options(lock_wait=wait)
+    code = each_host(out, target, events, forks, lambda run: run.stop(names, everything), opts)
     if names:
         seen = {e.unit for e in events.events if e.action == "stop"}
         unknown = [n for n in names if n not in seen]

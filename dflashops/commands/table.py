@@ -87,6 +87,21 @@ FORKS = Option(
 EVENTS = Option("json_path", ("--json",), "write one JSON event per line to FILE", metavar="FILE")
 SELECTION = (INVENTORY, HOSTS, PLAYBOOKS)
 FLEET = (FORKS, EVENTS)
+NAMED_HOSTS = Option(
+    "hosts",
+    ("--host",),
+    "host or group names, comma-separated, repeatable",
+    kind="list",
+    metavar="NAMES",
+    required=True,
+)
+LOCK_WAIT = Option(
+    "lock_wait",
+    ("--lock-wait",),
+    "when another actor holds a host's deploy lock, wait up to DURATION (30s, 5m) for it "
+    "instead of being refused at once",
+    metavar="DURATION",
+)
 
 
 def flag(dest: str, help: str) -> Option:
@@ -101,6 +116,7 @@ COMMANDS: tuple[Command, ...] = (
         (
             *SELECTION,
             *FLEET,
+            LOCK_WAIT,
             flag("check", "plan only: change nothing"),
             flag("diff", "show unified diffs of launch scripts that would change"),
             flag(
@@ -119,6 +135,7 @@ COMMANDS: tuple[Command, ...] = (
         (
             *SELECTION,
             *FLEET,
+            LOCK_WAIT,
             flag("all_at_once", "restart every replica together instead of rolling"),
             flag(
                 "force", "start even where GPUs hold memory of processes not started by dflashops"
@@ -132,6 +149,7 @@ COMMANDS: tuple[Command, ...] = (
         (
             *SELECTION,
             *FLEET,
+            LOCK_WAIT,
             Option(
                 "units",
                 ("--unit",),
@@ -169,6 +187,11 @@ COMMANDS: tuple[Command, ...] = (
             Option(
                 "follow", ("-f", "--follow"), "keep printing new output (Ctrl-C stops)", kind="bool"
             ),
+            flag(
+                "raw",
+                "print the log as the host has it, escape sequences included (by default control "
+                "characters other than newline and tab are removed: host text is inert)",
+            ),
         ),
     ),
     Command(
@@ -205,15 +228,18 @@ COMMANDS: tuple[Command, ...] = (
         "dflashops.commands.trust:trust",
         (
             INVENTORY,
-            Option(
-                "hosts",
-                ("--host",),
-                "host or group names, comma-separated, repeatable",
-                kind="list",
-                metavar="NAMES",
-                required=True,
-            ),
+            NAMED_HOSTS,
             flag("yes", "record without asking (for scripts)"),
+        ),
+    ),
+    Command(
+        "unlock",
+        "show who holds a host's deploy lock and release a stuck one (asks on a terminal; --yes)",
+        "dflashops.commands.unlock:unlock",
+        (
+            INVENTORY,
+            NAMED_HOSTS,
+            flag("yes", "release without asking (for scripts)"),
         ),
     ),
     Command(

@@ -11,6 +11,7 @@ A first line ``{"action": "serve"}`` keeps the agent: each following line is a r
 (``SERVED``: those whose data, if any, is sized by the request) answered by one line (``wait``:
 its lines), until stdin ends. A deploy sends a host's facts, write, stop, start and wait over
 one such session, and `top` its refreshes: one interpreter and one channel, not one per call.
+A deploy's session takes the host's deploy lock first (``lock``) and holds it until it ends.
 A malformed request then gets an ``{"error": ...}`` line and ends the session (exit 2): what
 follows it on stdin cannot be told from the next request.
 """
@@ -28,7 +29,18 @@ if TYPE_CHECKING:
     from typing import Any
 
 SCHEMA = 2
-SERVED = ("facts", "probe", "tail", "scan", "write", "start", "stop", "wait")
+SERVED = (
+    "facts",
+    "probe",
+    "tail",
+    "scan",
+    "write",
+    "start",
+    "stop",
+    "wait",
+    "lock",
+    "engine_args",
+)
 ACTIONS = (
     "facts",
     "start",
@@ -43,6 +55,8 @@ ACTIONS = (
     "build",
     "wait",
     "rendezvous",
+    "lock",
+    "engine_args",
 )
 
 

@@ -1,10 +1,12 @@
 """``start``: spawn each unit's supervisor as the leader of a new session; returns at once.
 
-Request: ``units: [{name, keep_logs}]``. Answer: ``units: {name: {name, ok, pid, pgid,
-start_time, log, error}}``. Never a second copy: a unit is refused while anything of its
-previous start is alive, and one start per unit runs at a time (a lock in its folder). The
-previous run's exit, stopped and progress records go, a new timestamped log is opened (old ones
-kept, the oldest beyond ``keep_logs`` rotated out), and the pid record names the supervisor.
+Request: ``units: [{name, keep_logs, launch_sha256}]``. Answer: ``units: {name: {name, ok, pid,
+pgid, start_time, log, error}}``. Never a second copy: a unit is refused while anything of its
+previous start is alive, and one start per unit runs at a time (a lock in its folder). Never
+another actor's script: with ``launch_sha256`` (what the controller shipped), a launch.sh that
+differs on disk is refused. The previous run's exit, stopped and progress records go, a new
+timestamped log is opened (old ones kept, the oldest beyond ``keep_logs`` rotated out), and the
+pid record names the supervisor.
 
 The supervisor is forked from this agent, whose code is loaded already: no interpreter start
 (44 ms of CPU a unit, most of what a deploy costs on the host). Its command line is the
@@ -19,16 +21,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import sys
 from collections.abc import Iterator
 
-from . import logs, ownership, procfs
+from . import bounded, logs, ownership, procfs
 from .common import (
+    BadRequest,
     Json,
     describe,
     integer,
     now_iso,
     remove,
+    sha256_file,
     unit_dir,
     unit_list,
     write_atomic,
@@ -37,11 +42,15 @@ from .common import (
 from .supervisor import STOP_MARK
 
 RESULT_KEYS = ("pid", "pgid", "start_time", "log", "error")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
 def check(request: Json) -> None:
     for i, u in enumerate(unit_list(request)):
         u["keep_logs"] = integer(u.get("keep_logs", 20), f"units[{i}].keep_logs", 1)
+        sha = u.get("launch_sha256")
+        if sha is not None and not (isinstance(sha, str) and SHA256_RE.fullmatch(sha)):
+            raise BadRequest(f"units[{i}].launch_sha256 must be a sha256 in hex")
 
 
 def agent_file(workdir: str) -> str:
@@ -55,6 +64,7 @@ def agent_file(workdir: str) -> str:
     if not os.path.isfile(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_atomic(path, data, 0o644)
+        bounded.prune_agent_copies(workdir)  # a new version: the oldest unused copies go
     return path
 
 
@@ -149,8 +159,9 @@ def may_fork() -> bool:
 
 def fork_supervisor(folder: str, keep_logs: int, log_fd: int, run_id: str) -> int:
     """The supervisor as a forked child: its own session, the log as stdout and stderr, no
-    other descriptor of this agent (not the SSH channel, not the start lock), the run id in
-    its environment (and so in its children's). It never returns into the agent: os._exit."""
+    other descriptor of this agent (not the SSH channel, not the start lock, not the deploy
+    lock: a unit must never hold it), the run id in its environment (and so in its children's).
+    It never returns into the agent: os._exit."""
     import gc
 
     from . import supervisor
@@ -222,11 +233,30 @@ def start_one(workdir: str, spec: Json, boot: str | None, agent: str) -> Json:
         out["error"] = "cannot read /proc/sys/kernel/random/boot_id: cannot record a provable pid"
         return out
     with lock(folder):
+        out["error"] = not_shipped(folder, spec)
+        if out["error"] is not None:
+            return out
         out["pid"], out["error"] = still_running(folder, boot)
         if out["error"] is None:
             record = spawn(folder, agent, spec["keep_logs"], boot)
             out.update({k: record[k] for k in ("pid", "pgid", "start_time", "log")}, ok=True)
     return out
+
+
+def not_shipped(folder: str, spec: Json) -> str | None:
+    """Why launch.sh on disk is not the script the controller shipped (None: it is, or the
+    request did not say): two actors on one host must never start each other's script."""
+    expected = spec.get("launch_sha256")
+    if expected is None:
+        return None
+    found = sha256_file(os.path.join(folder, "launch.sh"))
+    if found == expected:
+        return None
+    return (
+        f"launch script of {spec['name']} on disk is not the one this deploy shipped "
+        f"(sha256 {found[:12]}, shipped {expected[:12]}): another actor changed it; "
+        "not started (`dflashops status` shows who runs what, deploy again to ship yours)"
+    )
 
 
 def run(request: Json) -> Json:

@@ -1,0 +1,119 @@
+"""unlock: show who holds a host's deploy lock, and release one whose holder is stuck.
+
+The lock is held by the holder's agent session on the host (agent/remote/lock.py), so a holder
+that ended (even by kill -9) has released it already: nothing to do. What is left is a holder
+alive but hung (a controller stopped with Ctrl-Z, a laptop asleep with its link still up): its
+agent is ended on the host, by the pid in the holder record, and only after the host checked
+that this pid still is that agent and holds that lock file. Asks on a terminal; --yes for
+scripts (as trust does).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from rich.console import Console
+
+from dflashops.agent import Agent, lock
+from dflashops.agent.answers import LockAnswer
+from dflashops.config.inventory import Host
+from dflashops.config.load import load_inventory
+from dflashops.errors import DflashopsError
+from dflashops.hosts import connect
+from dflashops.output import escape
+from dflashops.project import find_inventory, split_names
+
+
+def unlock(
+    out: Console,
+    *,
+    inventory: str | None = None,
+    hosts: list[str] | str | None = None,
+    yes: bool = False,
+    confirm: Callable[[str], bool] | None = None,
+) -> int:
+    """Per host: the holder record and whether its agent is alive; release a held lock after
+    confirmation. 0 when every host's lock is free at the end, else 1."""
+    failed = 0
+    for host in _named(inventory, hosts):
+        try:
+            failed += not _unlock_one(out, host, yes, confirm)
+        except DflashopsError as exc:
+            out.print(f"[red]failed:[/] {escape(str(exc))}")
+            failed += 1
+    return 1 if failed else 0
+
+
+def _named(inventory: str | None, hosts: list[str] | str | None) -> list[Host]:
+    """The hosts --host names (groups expanded): unlock acts on named hosts only."""
+    inv = load_inventory(find_inventory(inventory))
+    names = split_names(hosts)
+    if not names:
+        raise DflashopsError("unlock needs --host NAMES: say which hosts' deploy locks to release")
+    try:
+        return [inv.hosts[name] for name in inv.expand(names)]
+    except KeyError as exc:
+        raise DflashopsError(f"--host {exc.args[0]!r} is not in {inv.path}") from None
+
+
+def _unlock_one(out: Console, host: Host, yes: bool, confirm: Callable[[str], bool] | None) -> bool:
+    conn = connect(host)
+    try:
+        agent = Agent(conn, host.python)
+        state = lock.state(agent, host.workdir)
+        if not _show(out, host.name, state):
+            return state.held is False
+        holder = state.holder
+        assert holder is not None and holder.agent_pid is not None
+        if not yes and not (confirm or _ask)(
+            f"End that agent (pid {holder.agent_pid} on {host.name}) to release the lock? [y/N] "
+        ):
+            out.print(f"\\[{host.name}] not released")
+            return False
+        pid, started = holder.agent_pid, holder.agent_start_time or 0
+        done = lock.state(agent, host.workdir, release=(pid, started))
+    finally:
+        conn.close()
+    if not done.ok:
+        out.print(f"\\[{host.name}] [red]not released:[/] {escape(done.error or 'no reason given')}")
+        return False
+    how = f"agent pid {pid} ended by {done.signalled}" if done.signalled else "its holder ended"
+    out.print(
+        f"\\[{host.name}] deploy lock released ({how}); the holder's run fails on this host: "
+        "`dflashops status` shows where it left the units"
+    )
+    return True
+
+
+def _show(out: Console, name: str, state: LockAnswer) -> bool:
+    """Say who holds the lock; True when it is held by a live agent that may be ended."""
+    holder = state.holder
+    who = escape(holder.describe()) if holder is not None else "nobody on record"
+    if state.error is not None:
+        raise DflashopsError(f"[{name}] cannot read the deploy lock: {state.error}")
+    if not state.held:
+        last = f" (last held by {who})" if holder is not None else ""
+        out.print(f"\\[{name}] deploy lock is free{last}")
+        return False
+    if not state.holder_alive or holder is None or holder.agent_pid is None:
+        pids = ", ".join(map(str, state.pids)) or "a process this user cannot see"
+        out.print(
+            f"\\[{name}] [red]deploy lock held by {pids}, not by the agent its record names[/] "
+            f"(record: {who}): not released, as nothing but a recorded dflashops agent is ever "
+            "signalled; look at those processes on the host"
+        )
+        return False
+    out.print(
+        f"\\[{name}] deploy lock held by {who}; its agent on the host (pid {holder.agent_pid}) "
+        "is alive"
+    )
+    return True
+
+
+def _ask(question: str) -> bool:
+    if not sys.stdin.isatty():
+        raise DflashopsError(
+            "not on a terminal, so there is nobody to confirm: pass --yes to release the lock"
+        )
+    return input(question).strip().lower() in ("y", "yes")
