@@ -17,6 +17,7 @@ from typing import Any, Literal, TextIO
 
 from rich.console import Console
 
+from dflashops.hosts.inert import inert
 from dflashops.output import escape
 
 Status = Literal["ok", "changed", "failed", "unreachable", "skipped", "info", "orphan", "waiting"]
@@ -80,6 +81,20 @@ class EventLog:
                 text = text.replace(secret, "***")
         return text
 
+    def redact_value(self, value: Any) -> Any:
+        """``value`` as JSON would carry it (tuples as lists, other objects as their text),
+        every string in it redacted, keys included. Not the JSON text: there a secret with a
+        quote, a backslash or a newline is escaped and no longer matches."""
+        if isinstance(value, str):
+            return self.redact(value)
+        if isinstance(value, dict):
+            return {self.redact(str(k)): self.redact_value(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.redact_value(v) for v in value]
+        if value is None or isinstance(value, (bool, int, float)):
+            return value
+        return self.redact(str(value))
+
     def add_secrets(self, values: Iterable[str]) -> None:
         with self._lock:
             # Very short values would redact half the output and protect nothing.
@@ -101,8 +116,8 @@ class EventLog:
             unit,
             status,
             action,
-            self.redact(message),
-            data=json.loads(self.redact(json.dumps(data, default=str))),
+            inert(self.redact(message)),  # host text (log tails, errors) shown as text only
+            data=self.redact_value(data),
         )
         with self._lock:
             self.events.append(event)

@@ -33,10 +33,13 @@ from dflashops.engines.base import (
     EnvPython,
     HostPath,
     Launch,
+    ShellVar,
     ShippedFile,
     Token,
+    UnitFile,
     WorkPath,
 )
+from dflashops.engines.secrets import ARGS_FILE, CONFIG_FILE
 from dflashops.errors import Problem
 from dflashops.hosts.connection import host_word
 from dflashops.plan import Plan, Unit
@@ -69,6 +72,10 @@ def quote(value: Any) -> Quoted:
         return Quoted('"${DFLASHOPS_WORKDIR}"/' + shlex.quote(value.relative))
     if isinstance(value, HostPath):
         return Quoted(host_word(value.path))
+    if isinstance(value, UnitFile):
+        return Quoted('"$DFLASHOPS_UNIT_DIR"/' + shlex.quote(value.name))
+    if isinstance(value, ShellVar):
+        return Quoted(f'"${env_name(value.name)}"')
     if isinstance(value, EnvPython):
         # _unit.sh.j2 resolves the environment's link into VIRTUAL_ENV before anything runs.
         return Quoted('"${VIRTUAL_ENV:?the unit environment is not set}"/bin/python')
@@ -95,7 +102,7 @@ def quote_text(value: Any) -> Quoted:
 
 
 def env_name(value: str) -> Quoted:
-    if not _ENV_NAME.match(value):
+    if not _ENV_NAME.fullmatch(value):
         raise TemplateError(f"{value!r} is not an environment variable name")
     return Quoted(value)
 
@@ -197,11 +204,18 @@ def render_unit(env: Environment, unit: Unit) -> Rendered:
     every shipped file and the names of its secrets, so any change to what runs changes it."""
     launch = launch_for(unit)
     unit_env = {**unit.host.env, **launch.env, **unit.spec.env}
+    hidden = launch.secrets
     context = {
         "unit": _UnitView(unit),
         "argv": launch.argv,
         "env": sorted(unit_env.items()),
-        "secrets": sorted(unit.spec.secret_env),
+        # What to set on the controller when a secret file is missing on the host.
+        "secrets": [*sorted(unit.spec.secret_env), *hidden.sources()],
+        "secrets_env": bool(unit.spec.secret_env or hidden.env),
+        # secret_args' own files: each must be there; only secret-args.env is sourced.
+        "secret_files": [
+            n for n, on in ((CONFIG_FILE, hidden.config), (ARGS_FILE, hidden.argv)) if on
+        ],
         "version": __version__,
     }
     template = env.get_template(template_name(unit))
@@ -217,6 +231,8 @@ def render_unit(env: Environment, unit: Unit) -> Rendered:
                 "script": draft,
                 "files": {f.remote: f.sha256 for f in launch.files},
                 "secrets": sorted(unit.spec.secret_env),
+                # Only when set: fingerprints of units without stay what they were.
+                **({"secret_args": dict(unit.spec.secret_args)} if unit.spec.secret_args else {}),
                 # Only when there is one: fingerprints of units without stay what they were.
                 **({"environment": unit.env.hash} if unit.env is not None else {}),
                 "supervise": policy(unit),

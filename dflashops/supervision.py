@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflashops.config.playbook import Job
+from dflashops.engines import secrets
 from dflashops.plan import Unit
 
 
@@ -23,7 +24,8 @@ def policy(unit: Unit) -> dict[str, Any]:
     probe = getattr(spec, "liveness", None)
     if probe is not None and unit.port is not None:
         bind = getattr(spec, "bind", "127.0.0.1")
-        key = spec.args.get("api-key") if not isinstance(spec, Job) else None
+        # Never the key itself (unit.json is not a secret file): where the supervisor reads it.
+        bearer = secrets.bearer(unit, secrets.split(unit))
         liveness = {
             "host": "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind,
             "port": unit.port,
@@ -31,7 +33,8 @@ def policy(unit: Unit) -> dict[str, Any]:
             "interval": probe.interval,
             "timeout": probe.timeout,
             "failures": probe.failures,
-            "headers": {"Authorization": f"Bearer {key}"} if isinstance(key, str) else {},
+            "headers": {},
+            **({"bearer": bearer} if bearer else {}),
         }
     return {
         "restart": restart_policy(unit),
@@ -39,4 +42,6 @@ def policy(unit: Unit) -> dict[str, Any]:
         "limit": [spec.restart_limit.count, spec.restart_limit.window],
         "liveness": liveness,
         "stop_grace": spec.stop_grace,
+        # Only when set: a policy without it keeps the fingerprint units were deployed with.
+        **({"log_max_bytes": spec.log_max_size} if spec.log_max_size is not None else {}),
     }

@@ -864,9 +864,44 @@ def run_server(
     return code
 
 
+def with_config(argv: list[str]) -> list[str]:
+    """SGLang's ``--config FILE``: the file's ``flag: value`` pairs become flags placed before
+    the command line's own, which win (as SGLang's ConfigArgumentMerger does). Keys are flag
+    names, dashes or underscores. The stub reads YAML's JSON form only (what dflashops writes
+    for secret_args): it has no YAML parser (stdlib only)."""
+    if "--config" not in argv:
+        return argv
+    at = argv.index("--config")
+    if at + 1 >= len(argv):
+        raise SystemExit("stub_engine.py: error: No config file specified after --config flag!")
+    path = argv[at + 1]
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(
+            f"stub_engine.py: error: --config {path}: {exc} (the stub reads YAML in JSON form)"
+        ) from None
+    if not isinstance(data, dict):
+        raise SystemExit(
+            "stub_engine.py: error: Config file must contain a dictionary at root level"
+        )
+    flags: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif isinstance(value, list):
+            flags.extend([flag, *(str(v) for v in value)])
+        elif value is not None and value is not False:
+            flags.extend([flag, str(value)])
+    return flags + argv[:at] + argv[at + 2 :]
+
+
 def serve(argv: list[str] | None = None, flavor: str = "sglang") -> int:
-    """The stub's command line: parse SGLang flags, announce what this is, serve."""
-    args = build_parser().parse_args(argv)
+    """The stub's command line: parse SGLang flags (and its --config file), announce what this
+    is, serve."""
+    args = build_parser().parse_args(with_config(sys.argv[1:] if argv is None else argv))
     settings = vars(args)
     shown = json.dumps(redacted(settings), sort_keys=True)
     _say(

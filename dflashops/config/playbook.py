@@ -5,11 +5,21 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from dflashops.config.inventory import StrictModel
 from dflashops.config.nodestate import Environment, FileEntry
-from dflashops.config.types import FLAG_RE, Env, EnvName, Name, PathStr, Port, Seconds, Text
+from dflashops.config.types import (
+    FLAG_RE,
+    Env,
+    EnvName,
+    Name,
+    PathStr,
+    Port,
+    Seconds,
+    Size,
+    Text,
+)
 
 Scalar = str | int | float | bool
 # `key: value` -> --key value; true -> --key; false/null -> omitted; a list -> --key v1 v2;
@@ -19,9 +29,21 @@ Args = dict[str, ArgValue]
 GpuList = list[Annotated[int, Field(ge=0, le=63)]]
 
 
+def _flag_name(value: str) -> str:
+    if not FLAG_RE.match(value) or value.startswith("-") or value.endswith("\n"):
+        raise ValueError(
+            f"{value!r} is not a flag name: write it without leading dashes "
+            "(letters, digits, '-', '_', '.')"
+        )
+    return value
+
+
+FlagName = Annotated[str, AfterValidator(_flag_name)]
+
+
 def _check_args(args: dict[str, Any]) -> dict[str, Any]:
     for key in args:
-        if not FLAG_RE.match(key) or key.startswith("-"):
+        if not FLAG_RE.fullmatch(key) or key.startswith("-"):
             raise ValueError(
                 f"argument name {key!r} is not a flag name: write it without leading dashes "
                 "(letters, digits, '-', '_', '.')"
@@ -114,9 +136,26 @@ class UnitBase(StrictModel):
             "time, written to a 0600 file on the host, never into the script or any output."
         ),
     ] = Field(default_factory=dict)
+    secret_args: Annotated[
+        dict[FlagName, EnvName],
+        Field(
+            description="FLAG: VAR_ON_CONTROLLER. An engine flag (without dashes) whose value is "
+            "taken from the controller's environment at deploy time and reaches the engine "
+            "without argv: vLLM's api-key as VLLM_API_KEY, SGLang's (and vLLM's other) flags "
+            "in a 0600 file given with the engine's own --config; a command or job reads it "
+            "from a 0600 file into the flag at exec time. Never in the script or any output."
+        ),
+    ] = Field(default_factory=dict)
     stop_grace: Annotated[
         Seconds, Field(description="Time between SIGTERM and SIGKILL when stopping ('30s').")
     ] = 30.0
+    log_max_size: Annotated[
+        Size | None,
+        Field(
+            description="The unit's current log is rotated at this size ('256MiB'; default "
+            "1GiB) while the unit runs on; the newest 20 logs are kept."
+        ),
+    ] = None
     environment: Annotated[
         Name | None,
         Field(description="Run with that environment's python (`environments:` of a playbook)."),
@@ -140,6 +179,9 @@ class UnitBase(StrictModel):
         both = sorted(set(self.env) & set(self.secret_env))
         if both:
             raise ValueError(f"variables set in both env and secret_env: {', '.join(both)}")
+        both = sorted(set(getattr(self, "args", {})) & set(self.secret_args))
+        if both:
+            raise ValueError(f"flags set in both args and secret_args: {', '.join(both)}")
         return self
 
 
@@ -271,6 +313,15 @@ class VllmService(ModelService):
             "--port (ray)."
         ),
     ] = 29501
+
+    @model_validator(mode="after")
+    def _one_api_key(self) -> VllmService:
+        # secret_args' api-key becomes VLLM_API_KEY: a second source would silently lose.
+        if "api-key" in self.secret_args and "VLLM_API_KEY" in {*self.env, *self.secret_env}:
+            raise ValueError(
+                "secret_args' api-key is delivered as VLLM_API_KEY: do not set that variable too"
+            )
+        return self
 
     @model_validator(mode="after")
     def _nodes_need_a_backend(self) -> VllmService:

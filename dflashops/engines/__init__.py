@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflashops.config.playbook import CommandService, Job, ModelService, VllmService
+from dflashops.engines import secrets
 from dflashops.engines.base import (
     HOST_PREFIX,
     BesideTool,
@@ -25,7 +26,31 @@ if TYPE_CHECKING:
 
 
 def launch_for(unit: Unit) -> Launch:
-    """The argv and files of a unit. Problems (a missing script) come back in ``Launch.problems``."""
+    """The argv and files of a unit. Problems (a missing script) come back in ``Launch.problems``.
+    Its secret_args reach the engine through a 0600 file, never as values in argv."""
+    launch = _launch(unit)
+    launch.secrets = secrets.split(unit)
+    hidden = secrets.flags(unit, launch.secrets)
+    if hidden:
+        # After the unit's own flags (a job's --servers stays last); vLLM's launcher passes
+        # everything after its `--` on to vLLM.
+        tail = len(unit.servers) + 1 if isinstance(unit.spec, Job) and unit.servers else 0
+        at = len(launch.argv) - tail
+        launch.argv[at:at] = hidden
+        launch.engine_args += secrets.checked_flags(unit, launch.secrets)
+    if launch.secrets.config and "config" in getattr(unit.spec, "args", {}):
+        launch.problems.append(
+            unit.problem(
+                "`args: config` and secret_args both need the engine's one --config file: move "
+                "the settings of that file into `args`",
+                "args",
+                "config",
+            )
+        )
+    return launch
+
+
+def _launch(unit: Unit) -> Launch:
     spec = unit.spec
     python: Token = EnvPython(unit.env.path) if unit.env else HostPath(unit.host.python)
     if isinstance(spec, Job):

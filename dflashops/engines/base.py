@@ -68,7 +68,23 @@ class BesideTool:
     name: str
 
 
-Token = str | WorkPath | HostPath | EnvPython | BesideTool
+@dataclass(frozen=True)
+class UnitFile:
+    """An argv element naming a file in the unit's own folder on the host (a 0600 secret file
+    such as the engine's --config), known to the script only at run time."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class ShellVar:
+    """An argv element whose value the launch script holds in a shell variable read from a
+    0600 file at exec time (a secret flag of a program with no other way to take it)."""
+
+    name: str
+
+
+Token = str | WorkPath | HostPath | EnvPython | BesideTool | UnitFile | ShellVar
 
 
 @dataclass
@@ -86,6 +102,25 @@ class Launch:
     # group-wide TERM leaves it waiting about 30 s on a GCS that is already gone. KILL after
     # the grace still takes the whole group.
     stop_leader: bool = False
+    # secret_args, delivered without argv (engines/secrets.py): which file carries which flag.
+    secrets: SecretArgs = field(default_factory=lambda: SecretArgs())
+
+
+@dataclass
+class SecretArgs:
+    """Where a unit's ``secret_args`` go on the host (see engines/secrets.py): each maps what
+    the host side knows it by to the controller's environment variable holding the value."""
+
+    env: dict[str, str] = field(default_factory=dict)  # variable in secrets.env (VLLM_API_KEY)
+    config: dict[str, str] = field(default_factory=dict)  # flag in the engine's --config file
+    argv: dict[str, str] = field(default_factory=dict)  # shell variable read into a flag
+
+    def __bool__(self) -> bool:
+        return bool(self.env or self.config or self.argv)
+
+    def sources(self) -> list[str]:
+        """The controller's variables these need."""
+        return sorted({*self.env.values(), *self.config.values(), *self.argv.values()})
 
 
 def to_flags(args: dict[str, Any]) -> list[str]:

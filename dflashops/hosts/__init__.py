@@ -11,7 +11,7 @@ def connect(host: Host) -> BaseConnection:
     if host.is_local:
         from dflashops.hosts.local import LocalConnection
 
-        return LocalConnection(host.name)
+        return LocalConnection(host.name, host.env)  # not the controller's environment
     from dflashops.hosts.ssh import SshConnection
 
     return SshConnection(host)

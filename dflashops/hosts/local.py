@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterable, Mapping
 from typing import IO
 
 from dflashops.hosts.base import BaseConnection
@@ -20,11 +22,31 @@ from dflashops.hosts.connection import (
     as_shell,
     chunks,
 )
+from dflashops.hosts.untrusted import LINE_LIMIT, keep_tail, too_large
+
+# What runs on a local host (the agent, and so every unit it starts) gets of the controller's
+# environment (DESIGN trust 5): the operator's shell may hold cloud keys, tokens and webhook
+# URLs that a host over SSH never sees, and neither should a unit here. PATH, HOME and LANG, as
+# sshd gives a session; LC_ALL, a locale only, so a unit decodes text as the operator's shell
+# does; USER, LOGNAME and SHELL, who the session is, as sshd sets them. Not TERM: units have no
+# terminal. Anything else is declared: the host's `env` (which its agent gets too: a proxy a
+# local build needs), the unit's `env`, `secret_env`, `secret_args`.
+KEPT_VARIABLES = ("PATH", "HOME", "LANG", "LC_ALL", "USER", "LOGNAME", "SHELL")
 
 
 class LocalConnection(BaseConnection):
-    def __init__(self, host: str) -> None:
+    def __init__(
+        self, host: str, env: Mapping[str, str] | None = None, passes: Iterable[str] = ()
+    ) -> None:
+        """``env``: variables declared for this host; ``passes``: names of the controller's
+        variables passed on as well, read at each command (a test's fake GPU state)."""
         self.host = host
+        self.env = dict(env or {})
+        self.passes = tuple(passes)
+
+    def environment(self) -> dict[str, str]:
+        names = (*KEPT_VARIABLES, *self.passes)
+        return {**{k: os.environ[k] for k in names if k in os.environ}, **self.env}
 
     def run(
         self,
@@ -46,13 +68,23 @@ class LocalConnection(BaseConnection):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
+            env=self.environment(),
         )
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         out, err = bytearray(), bytearray()
+        # A sink that fails (an answer too large, a file that cannot be written) ends the
+        # command at once: nobody would drain its stdout, and it would block until the timeout.
+        failed: list[BaseException] = []
         threads = [
             threading.Thread(target=_feed, args=(proc.stdin, input), daemon=True),
-            threading.Thread(target=_drain, args=(proc.stdout, stdout or out.extend), daemon=True),
-            threading.Thread(target=_drain, args=(proc.stderr, err.extend), daemon=True),
+            threading.Thread(
+                target=_drain, args=(proc, proc.stdout, stdout or out.extend, failed), daemon=True
+            ),
+            threading.Thread(
+                target=_drain,
+                args=(proc, proc.stderr, lambda b: keep_tail(err, b), failed),
+                daemon=True,
+            ),
         ]
         for t in threads:
             t.start()
@@ -66,6 +98,8 @@ class LocalConnection(BaseConnection):
             ) from None
         for t in threads:
             t.join()
+        if failed:
+            raise failed[0]
         result = Result(shell, code, bytes(out), bytes(err))
         if check and result.exit_code != 0:
             raise CommandError(self.host, result)
@@ -84,6 +118,7 @@ class LocalConnection(BaseConnection):
             stdout=subprocess.PIPE,
             stderr=err,
             start_new_session=True,
+            env=self.environment(),
         )
         return LocalStream(self.host, proc, err)
 
@@ -93,7 +128,8 @@ class LocalStream:
         self.host = host
         self.proc = proc
         self.err = err
-        self.buffer = b""
+        self.buffer = bytearray()
+        self.scanned = 0  # bytes of buffer known to hold no newline
 
     def send(self, data: bytes) -> None:
         assert self.proc.stdin is not None
@@ -104,14 +140,17 @@ class LocalStream:
             raise StreamEnded(self.host, f"the kept command ended: {exc}") from None
 
     def readline(self, timeout: float) -> bytes:
-        import os
         import select
         import time
 
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
         fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buffer:
+        while (end := self.buffer.find(b"\n", self.scanned)) < 0:
+            self.scanned = len(self.buffer)
+            if self.scanned > LINE_LIMIT:
+                self.proc.kill()  # it floods: nothing it says next is read
+                raise too_large(self.host, "a line of the agent's answer", LINE_LIMIT)
             left = deadline - time.monotonic()
             if left <= 0:
                 raise CommandTimeout(self.host, f"no answer within {timeout:.0f}s")
@@ -121,16 +160,19 @@ class LocalStream:
                 if not data:
                     raise StreamEnded(self.host, "the kept command ended")
                 self.buffer += data
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return line + b"\n"
+        line = bytes(self.buffer[: end + 1])
+        del self.buffer[: end + 1]
+        self.scanned = 0
+        return line
 
     def ending(self) -> Result:
         try:
             code = self.proc.wait(5)
         except subprocess.TimeoutExpired:
             code = -1
-        self.err.seek(0)
-        return Result("agent stream", code, self.buffer, self.err.read()[-65536:])
+        self.err.seek(0, os.SEEK_END)
+        self.err.seek(max(0, self.err.tell() - 65536))  # its end says why; all of it may be huge
+        return Result("agent stream", code, bytes(self.buffer), self.err.read())
 
     def close(self) -> None:
         if self.proc.stdin is not None:
@@ -155,9 +197,16 @@ def _feed(pipe: IO[bytes], data: Input) -> None:
             pipe.close()
 
 
-def _drain(pipe: IO[bytes], sink: Sink) -> None:
-    while True:
-        data = pipe.read1(1 << 16) if hasattr(pipe, "read1") else pipe.read(1 << 16)
-        if not data:
-            return
-        sink(data)
+def _drain(
+    proc: subprocess.Popen[bytes], pipe: IO[bytes], sink: Sink, failed: list[BaseException]
+) -> None:
+    try:
+        while True:
+            data = pipe.read1(1 << 16) if hasattr(pipe, "read1") else pipe.read(1 << 16)
+            if not data:
+                return
+            sink(data)
+    except BaseException as exc:  # handed to run(), which raises it once the command is gone
+        failed.append(exc)
+        with contextlib.suppress(OSError):
+            proc.kill()

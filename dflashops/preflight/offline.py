@@ -16,9 +16,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dflashops import reads
 from dflashops.engines.base import ShippedFile, known_flags
+from dflashops.engines.secrets import looks_secret
 from dflashops.errors import Problem
 from dflashops.plan import Plan, Unit, build_plan
 from dflashops.preflight.bash_syntax import Verdict, check_scripts
@@ -127,6 +129,7 @@ def check_units(
     for r, verdict in zip(rendered, verdicts, strict=True):
         checks.append(bash_syntax(r, verdict))
         checks.extend(engine_flags(r))
+        checks.extend(secret_literals(r))
         for f in r.files:
             shipped.setdefault(f, []).append(subject(r))
         hosts[r.unit.host.name] = None
@@ -239,3 +242,28 @@ def engine_flags(r: Rendered) -> list[Check]:
         hint = " (SGLang has no --tp/--dp: the playbook's tp/dp become --tp-size/--dp-size)"
     message = f"SGLang 0.5.23 does not accept {', '.join(unknown)}{hint}"
     return [Check.failed(check, subject(r), r.unit.problem(message, "args"))]
+
+
+def secret_literals(r: Rendered) -> list[Check]:
+    """A credential written as a value in `args` (or a launcher's args) would sit in argv for
+    every user's `ps`, in the launch script, its log banner and unit.json: refused, pointing at
+    secret_args (DESIGN trust 4). A bare `true` carries no value and passes."""
+    spec = r.unit.spec
+    launcher = getattr(spec, "launcher", None)
+    places: list[tuple[tuple[str, ...], dict[str, Any]]] = [(("args",), getattr(spec, "args", {}))]
+    if launcher is not None and not isinstance(launcher, str):
+        places.append((("launcher", "args"), launcher.args))
+    checks = []
+    for where, args in places:
+        for flag, value in args.items():
+            if value is None or isinstance(value, bool) or not looks_secret(flag):
+                continue
+            message = (
+                f"`{flag}` looks like a secret and its value is written in the playbook: it "
+                f"would be in the engine's argv (any user's `ps`), the launch script and its "
+                f"log; give it with `secret_args: {{{flag}: VAR}}` and VAR exported on the "
+                "controller"
+            )
+            problem = r.unit.problem(message, *where, flag)
+            checks.append(Check.failed("secret-args", subject(r), problem))
+    return checks

@@ -16,7 +16,7 @@ import os
 import signal
 import tempfile
 
-from .common import TMP_MARK, BadRequest, Json, integer
+from .common import TMP_MARK, BadRequest, Json, integer, make_private_dirs, private_dir
 
 TYPE_CHECKING = False  # see common.py
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def receive(entry: Json, src: Counted, tmps: list[str]) -> str:
     path = entry["path"]
     folder = os.path.dirname(path)
     try:
-        os.makedirs(folder, exist_ok=True)
+        make_private_dirs(folder)  # a unit's folder, units/, payloads/: 0700
         fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}{TMP_MARK}", dir=folder)
     except OSError as exc:
         raise Failed(f"cannot write in {folder}: {exc}") from None
@@ -119,6 +119,10 @@ def run(request: Json, stdin: BinaryIO) -> Json:
     tmps: list[str] = []
     source = Counted(stdin)
     try:
+        try:
+            private_dir(request["workdir"])  # a deploy writes: the workdir becomes 0700
+        except OSError as exc:
+            raise Failed(f"cannot make the workdir {request['workdir']} private: {exc}") from None
         received = [receive(entry, source, tmps) for entry in files]
         for entry, tmp in zip(files, received):
             install(entry["path"], tmp)

@@ -98,7 +98,8 @@ class Host:
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
         self.where = str(workdir)  # the workdir as the agent is told it ("~/..." allowed)
-        self.conn = LocalConnection(HOST)
+        # The fake nvidia-smi's state: a local host passes on nothing undeclared (trust 5).
+        self.conn = LocalConnection(HOST, passes=("FAKE_GPU_STATE",))
         self.python = HOST_PYTHON
         self.groups: list[tuple[int, int]] = []  # (pgid, start_time) of every unit start
         self.popens: list[subprocess.Popen[bytes]] = []
@@ -290,7 +291,8 @@ def test_start_returns_at_once_and_the_unit_is_detached(host: Host) -> None:
     fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
     assert fds[0] == os.devnull
     assert fds[1] == fds[2] and fds[1].startswith(str(host.unit_dir("job") / "logs"))
-    assert set(fds) == {0, 1, 2}, fds
+    # Besides: the read end of the pipe the unit writes into, copied into the log (logpump).
+    assert set(fds) == {0, 1, 2, 3} and fds[3].startswith("pipe:"), fds
 
     record = host.read("job", "pid")
     assert set(record) == {"pid", "pgid", "start_time", "boot_id", "started_at", "log", "run_id"}
