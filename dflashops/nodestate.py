@@ -238,7 +238,7 @@ def _file_plan(
         )
     src = entry.src
     if src.startswith("hf:"):
-        m = HF_RE.match(src)
+        m = HF_RE.fullmatch(src)
         assert m is not None  # validated by the model
         return make("hf", m.group("repo"), revision=m.group("rev"))
     if src.startswith("host:"):
@@ -251,7 +251,7 @@ def _file_plan(
             )
             return None
         return make("host", path)
-    m = HOST_SRC.match(src)
+    m = HOST_SRC.fullmatch(src)
     if m is not None and m.group("host") in inventory.hosts:
         path = m.group("path").rstrip("/") or "/"
         if m.group("host") == host.name:

@@ -21,6 +21,7 @@ from importlib import resources
 from dflashops.hosts.connection import host_word
 
 PACKAGE = "dflashops_agent"
+CACHE_KEEP = 8  # code cache entries kept per interpreter tag (a host sees many versions)
 
 # Runs on the host (Python 3.9+), and runs on every call, so it stays cheap: C-speed decoding
 # (base64's b85 is pure Python), no importlib.abc (it drags in importlib.resources). Compiling
@@ -28,7 +29,9 @@ PACKAGE = "dflashops_agent"
 # (~/.cache/dflashops-agent/<python tag>/<crc>.bin, marshal of (sources blob, {module: marshalled
 # code}), each module's code unmarshalled only when imported):
 # an entry is used only when its text equals this bundle's, so a stale or colliding entry is
-# never run; a cache that cannot be read or written is only slower.
+# never run; a cache that cannot be read or written is only slower. A miss writes an entry and
+# keeps only the newest CACHE_KEEP (entries are read whole at a call's start: deleting one never
+# disturbs a running call; it only makes an old controller's next call compile again).
 BOOTSTRAP = r"""
 import sys
 def _dflashops_agent():
@@ -41,6 +44,23 @@ def _dflashops_agent():
         return box[0]
     top = "PACKAGE"
     codes = None
+    def prune(folder, now):  # after a miss: the newest KEEP entries stay, and no stale part
+        found = []
+        for name in os.listdir(folder):
+            try:
+                p = os.path.join(folder, name)
+                mtime = os.stat(p).st_mtime
+                if name.endswith(".bin"):
+                    found.append((mtime, p))
+                elif name.endswith(".part") and now - mtime > 3600:
+                    os.unlink(p)  # left by a call killed while writing
+            except OSError:
+                pass
+        for _, p in sorted(found, reverse=True)[KEEP:]:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
     tag = sys.implementation.cache_tag or "python"
     home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     # The modules, this loader and the exact interpreter build (builds that share a cache tag
@@ -70,6 +90,8 @@ def _dflashops_agent():
                 os.unlink(part)
             except Exception:
                 pass
+        else:
+            prune(os.path.dirname(path), os.stat(path).st_mtime)
     def key(name):
         return "__init__" if name == top else name[len(top) + 1:]
     class Finder:
@@ -98,7 +120,7 @@ def _dflashops_agent():
     from dflashops_agent.main import main
     return main(sys.argv[1:])
 sys.exit(_dflashops_agent())
-""".replace("PACKAGE", PACKAGE)
+""".replace("PACKAGE", PACKAGE).replace("KEEP", str(CACHE_KEEP))
 
 # The command line: read exactly the bundle from stdin and run it; the request follows it.
 LOADER = "import sys;exec(compile(sys.stdin.buffer.read({size}),'<dflashops-agent>','exec'))"

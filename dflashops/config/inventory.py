@@ -46,9 +46,9 @@ class Notify(StrictModel):
     @classmethod
     def _url(cls, value: str) -> str:
         if value.startswith("env:"):
-            if not re.match(r"^env:[A-Za-z_][A-Za-z0-9_]*$", value):
+            if not re.fullmatch(r"^env:[A-Za-z_][A-Za-z0-9_]*$", value):
                 raise ValueError("env:NAME names an environment variable ([A-Za-z_][A-Za-z0-9_]*)")
-        elif not re.match(r"^https?://[^\s]+$", value):
+        elif not re.fullmatch(r"^https?://[^\s]+$", value):
             raise ValueError("the webhook is an http:// or https:// URL, or env:NAME")
         return value
 

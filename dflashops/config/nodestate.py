@@ -66,7 +66,7 @@ class Environment(StrictModel):
     @classmethod
     def _specifiers(cls, value: list[str]) -> list[str]:
         for spec in value:
-            if spec.startswith("-") or not REQUIREMENT_RE.match(spec):
+            if spec.startswith("-") or not REQUIREMENT_RE.fullmatch(spec):
                 raise ValueError(
                     f"{spec!r} is not a requirement specifier (like 'vllm==0.33.0'); "
                     "installer options have no place here"
@@ -119,21 +119,21 @@ class FileEntry(StrictModel):
     @field_validator("after")
     @classmethod
     def _after(cls, value: str | None) -> str | None:
-        if value is not None and not AFTER_RE.match(value):
+        if value is not None and not AFTER_RE.fullmatch(value):
             raise ValueError(f"{value!r} is not HOST/JOB (an inventory host and a job on it)")
         return value
 
     @field_validator("mode")
     @classmethod
     def _mode(cls, value: str | None) -> str | None:
-        if value is not None and not MODE_RE.match(value):
+        if value is not None and not MODE_RE.fullmatch(value):
             raise ValueError(f"{value!r} is not an octal file mode like '0644'")
         return value
 
     @field_validator("src")
     @classmethod
     def _src(cls, value: str) -> str:
-        if value.startswith("hf:") and not HF_RE.match(value):
+        if value.startswith("hf:") and not HF_RE.fullmatch(value):
             raise ValueError(f"{value!r} is not 'hf:org/repo' or 'hf:org/repo@revision'")
         if "\n" in value:
             raise ValueError("paths may not contain newlines")
@@ -145,5 +145,5 @@ class FileEntry(StrictModel):
 
     @property
     def after_parts(self) -> tuple[str, str] | None:
-        m = AFTER_RE.match(self.after or "")
+        m = AFTER_RE.fullmatch(self.after or "")
         return (m.group("host"), m.group("job")) if m else None

@@ -30,7 +30,7 @@ _DURATION_RE = re.compile(
 
 
 def _name(value: str) -> str:
-    if not NAME_RE.match(value):
+    if not NAME_RE.fullmatch(value):
         raise ValueError(
             f"{value!r} is not a valid name: use lowercase letters, digits and '-', "
             "starting with a letter or digit, at most 63 characters"
@@ -39,7 +39,7 @@ def _name(value: str) -> str:
 
 
 def _env_name(value: str) -> str:
-    if not ENV_NAME_RE.match(value):
+    if not ENV_NAME_RE.fullmatch(value):
         raise ValueError(
             f"{value!r} is not a valid environment variable name ([A-Za-z_][A-Za-z0-9_]*)"
         )
@@ -79,7 +79,7 @@ def _env_keys(env: dict[str, object]) -> dict[str, object]:
 
 
 def _address(value: str) -> str:
-    if not ADDRESS_RE.match(value):
+    if not ADDRESS_RE.fullmatch(value):
         raise ValueError(
             f"{value!r} is not a host name, IP address or ~/.ssh/config alias "
             "(letters, digits, '.', '-', ':'; not starting with '-')"
@@ -88,7 +88,7 @@ def _address(value: str) -> str:
 
 
 def _user(value: str) -> str:
-    if not USER_RE.match(value):
+    if not USER_RE.fullmatch(value):
         raise ValueError(f"{value!r} is not a valid login name")
     return value
 
@@ -118,7 +118,7 @@ def parse_duration(value: Any) -> float:
         try:
             seconds = float(text)
         except ValueError:
-            match = _DURATION_RE.match(text)
+            match = _DURATION_RE.fullmatch(text)
             if not text or not match or not any(match.groups()):
                 raise ValueError(
                     f"{value!r} is not a duration: use forms like '30s', '20m', '1h30m'"
@@ -130,6 +130,27 @@ def parse_duration(value: Any) -> float:
     if seconds <= 0 or seconds != seconds or seconds > 7 * 24 * 3600:
         raise ValueError("a duration must be positive and at most a week")
     return seconds
+
+
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(?:i?B)?|B)?\s*", re.IGNORECASE)
+_SIZE_UNITS = {None: 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+SIZE_MIN, SIZE_MAX = 64 << 10, 1 << 40
+
+
+def parse_size(value: Any) -> int:
+    """'1GiB', '256M', '64KiB', '1048576' or a number -> bytes (K, M, G, T are powers of 1024)."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size like '1GiB', '256MiB' or a number of bytes")
+    if isinstance(value, (int, float)):
+        size = float(value)
+    elif isinstance(value, str) and (match := _SIZE_RE.fullmatch(value)):
+        unit = match.group(2).upper() if match.group(2) else None
+        size = float(match.group(1)) * _SIZE_UNITS[unit]
+    else:
+        raise ValueError(f"{value!r} is not a size: use forms like '1GiB', '256MiB', '64KiB'")
+    if not SIZE_MIN <= size <= SIZE_MAX:
+        raise ValueError("a size must be between 64KiB and 1TiB")
+    return int(size)
 
 
 def _scalar_to_str(value: Any) -> Any:
@@ -147,7 +168,7 @@ _NET_IF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}$")
 
 def _net_if(value: str) -> str:
     # Linux interface names: at most 15 bytes, no '/' or whitespace (IFNAMSIZ).
-    if not _NET_IF.match(value):
+    if not _NET_IF.fullmatch(value):
         raise ValueError(
             f"{value!r} is not a network interface name (like 'ens1', 'eth0', 'ib0': letters, "
             "digits, '_', '.', ':', '@', '-', at most 15 characters)"
@@ -166,4 +187,5 @@ User = Annotated[str, AfterValidator(_user)]
 HostKey = Annotated[str, AfterValidator(_host_key)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Seconds = Annotated[float, BeforeValidator(parse_duration)]
+Size = Annotated[int, BeforeValidator(parse_size)]
 Env = Annotated[dict[EnvName, EnvValue], AfterValidator(_env_keys)]

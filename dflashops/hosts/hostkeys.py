@@ -10,9 +10,12 @@ is always refused with both fingerprints and the command that re-trusts it on pu
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import hashlib
 import os
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -118,27 +121,45 @@ class StrictPolicy(paramiko.MissingHostKeyPolicy):
 
 def record(name: str, key: paramiko.PKey) -> Path:
     """Put ``name``'s key into dflashops' own known_hosts, replacing any older entry for it.
-    Written atomically: a crash never leaves a half-written file."""
+
+    First contacts run in parallel (`accept-new`, prewarm, `--forks 64`): each record holds an
+    exclusive lock on a file beside known_hosts while it re-reads, merges and writes, so no
+    record overwrites another's (without it, 16 parallel records kept 4). Written atomically (a
+    temporary file, then a rename): a crash never leaves a half-written file."""
     path = own_known_hosts()
     path.parent.mkdir(parents=True, exist_ok=True)
-    kept: list[str] = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            fields = line.split()
-            if fields and not line.startswith("#") and _names_match(fields[0], name):
-                continue
-            kept.append(line)
-    kept.append(f"{name} {key.get_name()} {key.get_base64()}")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".known_hosts.")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write("\n".join(kept) + "\n")
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with _locked(path):
+        kept: list[str] = []
+        if path.is_file():
+            for line in path.read_text().splitlines():
+                fields = line.split()
+                if fields and not line.startswith("#") and _names_match(fields[0], name):
+                    continue
+                kept.append(line)
+        kept.append(f"{name} {key.get_name()} {key.get_base64()}")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".known_hosts.")
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write("\n".join(kept) + "\n")
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     return path
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``<path>.lock`` (not on known_hosts itself, which the rename
+    replaces: a lock on the old file would not exclude a writer that opened the new one)."""
+    lock = path.with_name(path.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _names_match(field: str, name: str) -> bool:

@@ -49,7 +49,7 @@ class Passed:
             warn_once(f"cannot read {self.path}: {exc}")
             return
         lines = text.split()
-        if not all(_KEY.match(line) for line in lines):
+        if not all(_KEY.fullmatch(line) for line in lines):
             warn_once(f"{self.path} is not a list of check keys (ignored; it is rewritten)")
             return
         self.order = lines

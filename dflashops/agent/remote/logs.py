@@ -17,20 +17,24 @@ SERVER_ARGS_MARKER = "non-default args: "  # vLLM logs what it parsed: its own r
 
 
 def _key(name: str) -> tuple[str, int] | None:
-    m = LOG_RE.match(name)
+    m = LOG_RE.fullmatch(name)
     return None if m is None else (m.group(1), int(m.group(2) or 0))
 
 
 def open_new(log_dir: str) -> tuple[str, int]:
     """Create ``logs/<UTC time>[-N].log`` (never an existing file); (name, fd)."""
-    os.makedirs(log_dir, exist_ok=True)
+    # The host user's alone (DESIGN trust 4): a unit's log may hold what it was given.
+    os.makedirs(log_dir, 0o700, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-    n = 0
+    # After the newest of this second, never a name freed by rotation: names sort in time order
+    # (logs rotated by size come several a second).
+    same = [key[1] for key in map(_key, os.listdir(log_dir)) if key and key[0] == stamp]
+    n = max(same) + 1 if same else 0
     while True:
         name = f"{stamp}.log" if n == 0 else f"{stamp}-{n}.log"
         try:
-            return name, os.open(os.path.join(log_dir, name), flags, 0o644)
+            return name, os.open(os.path.join(log_dir, name), flags, 0o600)
         except FileExistsError:
             n += 1
 

@@ -8,6 +8,8 @@ Each file is written to ``.<name>.dflashops-part.<sha16>`` beside its target (ap
 ``offset`` says a partial transfer is there), hashed as it arrives, and renamed over the target
 only when the whole file has the sent sha256. A dropped connection keeps the partial file (the
 next deploy resumes it: the final hash covers the resumed bytes too); a hash mismatch removes it.
+A transfer that completes removes every other partial file under dest: content that changed
+before its transfer finished is never resumed, and its partial file would stay forever.
 Free space is checked before anything is written. The manifest of ``dest`` is kept in
 ``WORKDIR/files/``, so facts can tell whether dest holds what it should without reading it.
 """
@@ -19,7 +21,7 @@ import os
 import signal
 import time
 
-from . import tree
+from . import bounded, tree
 from .common import BadRequest, Json, describe, host_path, integer, remove
 
 TYPE_CHECKING = False  # see common.py
@@ -152,6 +154,9 @@ def run(request: Json, stdin: BinaryIO) -> Json:
             if os.path.isfile(path) or os.path.islink(path):
                 os.unlink(path)
                 out["deleted"].append(rel)
+        # Complete: no partial file under dest is wanted any more (one left from content that
+        # changed since would otherwise stay forever).
+        bounded.drop_parts(root)
     except Interrupted as exc:
         out["error"] = f"{exc}; what arrived is kept for the next deploy to resume"
     except (OSError, BadRequest) as exc:

@@ -9,7 +9,7 @@ gpu_freed, gpu_held, gpu_error, pruned_to, error, seconds}}``.
 Every unit gets TERM before any is waited for; each gets KILL when its own grace runs out; then
 one wait until nvidia-smi lists none of the stopped pids. A stale record (another boot, a reused
 pid) is never signalled. With ``prune``, a cleanly stopped unit's folder (logs included) moves to
-``units/.pruned/<unit>-<UTC time>/``: nothing of it is deleted.
+``units/.pruned/<unit>-<UTC time>/``, of which the newest ``bounded.PRUNED_KEEP`` are kept.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import signal
 import time
 
-from . import gpu, ownership, procfs
+from . import bounded, gpu, ownership, procfs
 from .common import (
     Json,
     describe,
@@ -255,6 +255,7 @@ def record(u: Stopping) -> None:
             dest += f"-{n}" if n else ""
             os.rename(u.dir, dest)
             u.result["pruned_to"] = os.path.relpath(dest, u.workdir)
+            bounded.prune_pruned(u.workdir)  # days of deploys: the newest few are kept
         except OSError as exc:
             u.fail(f"stopped, but moving its folder to units/.pruned failed: {describe(exc)}")
 

@@ -30,12 +30,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
-from . import gpu, logs, procfs, web
-from .common import Json, describe, now_iso, read_json_object, write_json_atomic
+from . import gpu, logpump, logs, procfs, web
+from .common import SMALL_FILE_MAX, Json, describe, now_iso, read_json_object, write_json_atomic
 
 TYPE_CHECKING = False  # see common.py
 if TYPE_CHECKING:
@@ -46,11 +45,25 @@ HISTORY = 20
 TAIL_LINES = 30
 NOTIFY_TIMEOUT = 10.0
 GPU_TIMEOUT = 60.0
+PUMP_WAIT = 2.0  # s for a run's output to be copied once it ended
+RETRY_S = 5.0  # s between tries of records a full disk refused
+FINAL_RETRY_S = 60.0  # s the supervisor keeps trying them once the unit ended
+
+
+UNSAID_MAX = 50
+_unsaid: list[bytes] = []  # lines a full disk refused: said first once it takes them
 
 
 def say(line: str, who: str = "supervisor: ") -> None:
-    sys.stdout.write(f"[dflashops] {who}{line}\n")
-    sys.stdout.flush()
+    """A line into the unit's log (fd 1). A full disk never ends the supervisor: the line waits
+    (the last UNSAID_MAX do) and is written with the next one that gets through."""
+    _unsaid.append(f"[dflashops] {who}{line}\n".encode())
+    try:
+        while _unsaid:
+            logpump.write_fd(1, _unsaid[0])
+            _unsaid.pop(0)
+    except OSError:
+        del _unsaid[:-UNSAID_MAX]
 
 
 class Supervisor:
@@ -67,6 +80,8 @@ class Supervisor:
         self.child: subprocess.Popen[bytes] | None = None
         self.liveness_failed = threading.Event()
         self.notices: list[threading.Thread] = []
+        self.pump = logpump.Pump(folder, keep_logs, logpump.max_bytes(self.policy))
+        self.unsaved: dict[str, Json] = {}  # records a full disk refused, written again later
 
     # -- state -------------------------------------------------------------------------------
 
@@ -82,27 +97,55 @@ class Supervisor:
             "history": self.history[-HISTORY:],
             **extra,
         }
-        write_json_atomic(os.path.join(self.folder, "supervisor.json"), body)
+        self.save("supervisor.json", body)
+
+    def save(self, filename: str, body: Json) -> None:
+        """Write a record of the unit; when the disk refuses (full), supervise on, say so once,
+        and write it again later (``retry``): the child is never left for a record."""
+        try:
+            write_json_atomic(os.path.join(self.folder, filename), body)
+        except OSError as exc:
+            if filename not in self.unsaved:
+                say(f"cannot write {filename} ({describe(exc)}); supervising on, retrying")
+            self.unsaved[filename] = body
+            return
+        if self.unsaved.pop(filename, None) is not None:
+            say(f"{filename} written again")
+
+    def retry(self) -> None:
+        for filename, body in list(self.unsaved.items()):
+            if self.unsaved.get(filename) is body:
+                self.save(filename, body)
 
     # -- one run of launch.sh ----------------------------------------------------------------
 
     def run_once(self) -> Json:
         record: Json = {"code": None, "signal": None, "finished_at": None, "child_pid": None}
+        out = self.pump.open()  # the run's output goes through the supervisor: see logpump
+        child = None
         try:
-            self.child = subprocess.Popen(
-                ["bash", "launch.sh"], cwd=self.folder, stdin=subprocess.DEVNULL
+            child = subprocess.Popen(
+                ["bash", "launch.sh"],
+                cwd=self.folder,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
             )
         except OSError as exc:
             say(f"cannot run launch.sh: {exc}")
             record["code"] = 127
-        else:
-            record["child_pid"] = self.child.pid
+        finally:
+            os.close(out)  # held by the unit's processes alone: the pipe ends when they do
+        if child is not None:
+            self.child = child
+            record["child_pid"] = child.pid
             self.state("running")
             self.liveness_failed.clear()
             watch = self.watch_liveness()
-            rc = self.child.wait()
+            rc = self.wait_child(child)
             if watch is not None:
                 watch.set()
+            self.pump.join(PUMP_WAIT)  # its last lines before ours (unless it left writers)
             if rc < 0:
                 try:
                     record["signal"] = signal.Signals(-rc).name
@@ -116,6 +159,24 @@ class Supervisor:
             record["reason"] = "liveness"
         return record
 
+    def retry_until_saved(self) -> None:
+        """Before the supervisor ends: records a full disk refused get a while more (without
+        them, status cannot tell how the unit ended), unless stop asks it to go."""
+        deadline = time.monotonic() + FINAL_RETRY_S
+        while self.unsaved and time.monotonic() < deadline and not self.stop_requested():
+            time.sleep(1.0)
+            self.retry()
+        if self.unsaved:
+            say(f"gave up writing {' '.join(sorted(self.unsaved))}: the disk is still full")
+
+    def wait_child(self, child: subprocess.Popen[bytes]) -> int:
+        """Its exit code; records a full disk refused are written again meanwhile."""
+        while True:
+            try:
+                return child.wait(RETRY_S)
+            except subprocess.TimeoutExpired:
+                self.retry()
+
     def watch_liveness(self) -> threading.Event | None:
         spec = self.policy.get("liveness")
         if not spec or not spec.get("port"):
@@ -123,6 +184,17 @@ class Supervisor:
         done = threading.Event()
         threading.Thread(target=self._liveness, args=(spec, done), daemon=True).start()
         return done
+
+    def probe_headers(self, spec: Json) -> Json:
+        """The probe's headers; secret_args' api-key read from the unit's own 0600 file (each
+        probe: a deploy may have rotated it), never from unit.json."""
+        headers = dict(spec.get("headers") or {})
+        bearer = spec.get("bearer")
+        if isinstance(bearer, dict) and bearer.get("file") in SECRET_FILES:
+            key = secret_file(self.folder, bearer["file"]).get(str(bearer.get("name")))
+            if key:
+                headers["Authorization"] = f"Bearer {key}"
+        return headers
 
     def _liveness(self, spec: Json, done: threading.Event) -> None:
         """Probe once the unit has answered once; `failures` in a row end it."""
@@ -133,7 +205,7 @@ class Supervisor:
                 int(spec["port"]),
                 spec["path"],
                 timeout=float(spec["timeout"]),
-                headers=spec.get("headers") or {},
+                headers=self.probe_headers(spec),
             )
             ok = got["status"] == 200
             if ok:
@@ -201,7 +273,7 @@ class Supervisor:
             "signal": record.get("signal"),
             "restarts": self.restarts,
             "at": now_iso(),
-            "log_tail": [redact(line, secrets) for line in tail],
+            "log_tail": redact_lines(tail, secrets),
         }
         thread = threading.Thread(target=self._post, args=(url, body), daemon=True)
         thread.start()
@@ -255,7 +327,7 @@ class Supervisor:
                 f"launch.sh ended ({how}exit code {record['code']}){reason} at {record['finished_at']} after {time.monotonic() - started:.1f}s",
                 who="",
             )
-            write_json_atomic(os.path.join(self.folder, "exit"), record)
+            self.save("exit", record)
             if not self.should_restart(record):
                 break
             seen = {record["child_pid"], *self.others()} - {None}
@@ -265,10 +337,7 @@ class Supervisor:
                 count, window = self.policy.get("limit") or (5, 3600)
                 say(f"more than {count} restarts within {window:g}s: crashed, no more restarts")
                 self.state("crashed")
-                write_json_atomic(
-                    os.path.join(self.folder, "crashed"),
-                    {"at": now_iso(), "restarts": self.restarts, "last": record},
-                )
+                self.save("crashed", {"at": now_iso(), "restarts": self.restarts, "last": record})
                 self.notify("gave_up", record)
                 break
             delay = self.backoff(time.monotonic() - started)
@@ -284,41 +353,83 @@ class Supervisor:
                 )
             if self.stop_requested():
                 break
-            name, fd = logs.new_log(self.folder, self.keep_logs)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
+            self.pump.finish(PUMP_WAIT)  # the previous run's output stays in its log
+            name = self.pump.new_log(carry=False)
             self.restarts += 1
-            say(
-                f"restart {self.restarts} (the previous run's log is kept); this log is logs/{name}"
-            )
+            where = f"this log is logs/{name}" if name else "no new log (disk full?): same log"
+            say(f"restart {self.restarts} (the previous run's log is kept); {where}")
             self.notify("restarted", record)
-        self.state("crashed" if os.path.exists(os.path.join(self.folder, "crashed")) else "ended")
+        crashed = "crashed" in self.unsaved or os.path.exists(os.path.join(self.folder, "crashed"))
+        self.state("crashed" if crashed else "ended")
+        self.pump.finish(PUMP_WAIT)
+        self.retry_until_saved()
         for thread in self.notices:
             thread.join(NOTIFY_TIMEOUT + 1)
         return 0
 
 
-def secret_values(folder: str) -> list[str]:
-    """The unit's secret values (secrets.env, which is the unit's own): never in a notice."""
-    import shlex
+SECRET_FILES = ("secrets.env", "secret-args.env", "secret-args.yaml")  # the unit's own, 0600
 
-    out: list[str] = []
+
+def secret_file(folder: str, name: str) -> Json:
+    """NAME -> value in one of the unit's secret files ({} when absent or not ours to read):
+    shell assignments (a quoted value may span lines), or the engine's --config in JSON form."""
+    import shlex
+    import stat
+
     try:
-        with open(os.path.join(folder, "secrets.env")) as f:
-            for line in f:
-                _, eq, value = line.strip().partition("=")
-                if eq:
-                    out.extend(v for v in shlex.split(value) if len(v) >= 4)
-    except (OSError, ValueError):
-        pass
+        # Not a FIFO left in its place (opening one would hang), not a link out of the folder.
+        fd = os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        text = f.read(SMALL_FILE_MAX).decode("utf-8", "replace")
+    if name.endswith(".yaml"):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return {}
+        return (
+            {str(k): v for k, v in data.items() if isinstance(v, str)}
+            if isinstance(data, dict)
+            else {}
+        )
+    out: Json = {}
+    try:
+        words = shlex.split(text)  # the whole file: one value over several lines stays whole
+    except ValueError:  # a damaged file: what each line still gives
+        words = []
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError):
+                words.extend(shlex.split(line))
+    for word in words:
+        key, eq, value = word.partition("=")
+        if eq:
+            out[key] = value
     return out
 
 
-def redact(line: str, secrets: list[str]) -> str:
-    for secret in sorted(secrets, key=len, reverse=True):
-        line = line.replace(secret, "***")
-    return line
+def secret_values(folder: str) -> list[str]:
+    """The unit's secret values (secret_env's and secret_args'): never in a notice."""
+    return [v for name in SECRET_FILES for v in secret_file(folder, name).values() if len(v) >= 4]
+
+
+def redact_lines(lines: list[str], secrets: list[str]) -> list[str]:
+    """The lines with every secret taken out whole, one spanning lines too; each line of a
+    multi-line secret also goes on its own (the tail may begin inside the value)."""
+    text = "\n".join(lines)
+    pieces = set(secrets)
+    for secret in secrets:
+        parts = secret.splitlines()
+        if len(parts) > 1:
+            pieces.add("\n".join(parts))  # as the lines were split: \r\n reads as \n
+            pieces.update(p for p in parts if len(p) >= 4)
+    for piece in sorted(pieces, key=len, reverse=True):
+        if piece:
+            text = text.replace(piece, "***")
+    return text.split("\n")
 
 
 def main(folder: str, keep_logs: int = 20) -> int:
@@ -331,14 +442,15 @@ def main(folder: str, keep_logs: int = 20) -> int:
         return Supervisor(folder, keep_logs).run()
     except Exception as exc:  # the unit's own records must say what happened to it
         say(f"failed: {describe(exc)}")
-        write_json_atomic(
-            os.path.join(folder, "exit"),
-            {
-                "code": 70,
-                "signal": None,
-                "finished_at": now_iso(),
-                "child_pid": None,
-                "reason": describe(exc),
-            },
-        )
+        with contextlib.suppress(OSError):  # a full disk: the log line above is what is left
+            write_json_atomic(
+                os.path.join(folder, "exit"),
+                {
+                    "code": 70,
+                    "signal": None,
+                    "finished_at": now_iso(),
+                    "child_pid": None,
+                    "reason": describe(exc),
+                },
+            )
         return 70
