@@ -3,15 +3,27 @@
 # two stub servers (the CPU stand-in for SGLang) and the completions generator from
 # playbooks/demo.yaml. Deploys (a Python environment, the prompts, the servers under their
 # supervisors, the job), waits for the generation job, shows status and one frame of `top`, then
-# stops it all. On the way it prints the launch lines of the two-node Ray example.
+# stops it all. On the way it prints the launch lines of the two-node Ray example, runs the
+# built environment's console script from its `path`, shows that the servers' API key (given
+# through secret_args) is on no command line, and who last held the host's deploy lock.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
 D=.venv/bin/dflashops
+# The servers' API key: from the controller's environment, never from a file in the repo.
+export DFLASHOPS_DEMO_API_KEY="${DFLASHOPS_DEMO_API_KEY:-$(.venv/bin/python -c 'import secrets; print(secrets.token_hex(16))')}"
 $D preflight --host local
 # What a service over two nodes would run (nothing is started: those hosts are examples).
 $D render --host h200 -p playbooks/two-node-vllm-ray.yaml | grep -E '^(# dflashops launch|exec)'
 $D deploy --host local
+# The environment works from its path like one made there by hand: its console scripts run.
+.dflashops/local/venv-demo/bin/demo-tools
+# The key reached the servers through a 0600 file, not argv: no process shows it.
+if grep -qs -- "$DFLASHOPS_DEMO_API_KEY" /proc/[0-9]*/cmdline; then
+    echo "demo: the API key is visible in a command line" >&2
+    exit 1
+fi
+echo "demo: the servers' API key is on no command line (ps shows: $(pgrep -a -f 'stub_engine' | head -n1 | cut -c1-100) ...)"
 for _ in $(seq 120); do
     state=$($D status --host local --json .dflashops/demo-status.json >/dev/null 2>&1 || true
             .venv/bin/python -c 'import json,sys
@@ -23,5 +35,6 @@ done
 $D status --host local
 $D top --once --host local
 $D logs generate --host local --lines 3
+$D unlock --host local  # the deploy lock: free, and who held it last
 $D stop --host local
 [[ "$state" == "done" ]]

@@ -5,6 +5,7 @@ status, a second deploy is all ok, stop cleans up and keeps the logs."""
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,11 @@ from tests.conftest import REPO
 from tests.procs import free_ports
 
 
-def test_local_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_local_demo_end_to_end(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = "demo-key-3f9c2a"
+    monkeypatch.setenv("DFLASHOPS_DEMO_API_KEY", key)  # what dev/demo.sh sets
     (tmp_path / "playbooks").mkdir()
     inventory = yaml.safe_load((REPO / "inventory.example.yaml").read_text())
     local = inventory["hosts"]["local"]
@@ -54,6 +59,14 @@ def test_local_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
                 break
             time.sleep(0.3)
         assert rows["generate"]["state"] == "done" and rows["generate"]["progress"] == "40/40", rows
+        # The environment's console script runs from its path, as in a venv made there by hand.
+        script = tmp_path / ".dflashops" / "local" / "venv-demo" / "bin" / "demo-tools"
+        ran = subprocess.run([script], capture_output=True, text=True, check=False)
+        assert ran.returncode == 0 and "the demo environment works: " in ran.stdout, ran
+        assert ".builds/" in ran.stdout and "dflashops-tmp" not in ran.stdout, ran.stdout
+        # The servers' key went through secret_args: on no command line on this machine.
+        assert rows["stub-0"]["state"] == "ready", rows
+        assert not [c for c in command_lines() if key in c], "the api key is in a command line"
         again = cli("deploy", "--host", "local")
         # 3 units, the environment and the prompts entry: all ok, nothing moved or rebuilt.
         assert "changed:" not in again and "ok=5 changed=0 failed=0" in again
@@ -67,3 +80,13 @@ def test_local_demo_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert (workdir / "venv-demo").is_symlink() and (
         workdir / "data" / "demo-prompts.jsonl"
     ).is_file()
+
+
+def command_lines() -> list[str]:
+    lines = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            lines.append((proc / "cmdline").read_bytes().decode(errors="replace"))
+        except OSError:
+            continue  # ended meanwhile
+    return lines
