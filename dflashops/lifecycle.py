@@ -35,6 +35,7 @@ from dflashops.errors import HostError
 from dflashops.events import EventLog
 from dflashops.hosts import connect
 from dflashops.hosts.base import BaseConnection
+from dflashops.hosts.inert import inert
 from dflashops.nodestate import NodeState
 from dflashops.orphans import Orphan, blocking, find, ways_out
 from dflashops.preflight.parsers import before_restart
@@ -394,7 +395,8 @@ class HostRun:
             uf = facts.unit(c.name)
             old = ""
             if uf is not None and uf.script_sha256:
-                old = self.conn.get(f"{self.unit_dir(c.name)}/launch.sh").decode("utf-8", "replace")
+                got = self.conn.get(f"{self.unit_dir(c.name)}/launch.sh")
+                old = inert(got.decode("utf-8", "replace"))  # the host's bytes, printed
             diff = "".join(
                 difflib.unified_diff(
                     old.splitlines(keepends=True),

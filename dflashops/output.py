@@ -7,6 +7,7 @@ import sys
 from rich.console import Console
 from rich.markup import escape as rich_escape
 
+from dflashops.errors import DflashopsError
 from dflashops.hosts.inert import inert
 
 
@@ -47,3 +48,10 @@ def some(names: list[str], limit: int = 5) -> str:
     if len(names) <= limit:
         return ", ".join(names)
     return f"{', '.join(names[:limit])} and {len(names) - limit} more"
+
+
+def confirm(question: str, refused: str) -> bool:
+    """Ask on a terminal; off one there is nobody to ask: ``refused`` says what to pass."""
+    if not sys.stdin.isatty():
+        raise DflashopsError(f"not on a terminal, so there is nobody to confirm: {refused}")
+    return input(question).strip().lower() in ("y", "yes")

@@ -43,6 +43,7 @@ from dflashops.agent.answers import (
 )
 from dflashops.agent.bundle import bundle, command
 from dflashops.agent.reading import Frames, last_json_object
+from dflashops.agent.remote.main import SERVED as KEPT  # what a session serves
 from dflashops.errors import HostError, TransferError
 from dflashops.hosts.connection import (
     CommandTimeout,
@@ -646,20 +647,6 @@ class Agent:
         if missing:
             raise AgentError(self.host, f"the build answer misses {', '.join(missing)}")
         return out
-
-
-KEPT = (  # = SERVED
-    "facts",
-    "probe",
-    "tail",
-    "scan",
-    "write",
-    "start",
-    "stop",
-    "wait",
-    "lock",
-    "engine_args",
-)
 
 
 # A request riding ahead of a session's next call: its action, its line, what takes its answer.

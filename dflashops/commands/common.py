@@ -17,6 +17,7 @@ from rich.text import Text
 from dflashops.config.inventory import Host
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
+from dflashops.hosts.inert import inert
 from dflashops.lifecycle import HostRun, Options
 from dflashops.nodestate import NodeState
 from dflashops.output import escape
@@ -83,7 +84,7 @@ def prepare(
         if warm is not None:
             warm.close()
         for c in report.errors:
-            out.print(f"[red]FAIL[/] {c.check}: {escape(c.message)}")
+            out.print(f"[red]FAIL[/] {c.check}: {escape(inert(c.message))}")
         raise DflashopsError(
             f"pre-flight failed ({len(report.errors)} error(s)): nothing was sent to any host"
         )

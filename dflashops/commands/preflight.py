@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from dflashops.commands.table import DEFAULT_FORKS
+from dflashops.hosts.inert import inert
 from dflashops.output import escape, some
 from dflashops.preflight.report import Report, write_outputs
 
@@ -74,9 +75,9 @@ def _few_collections() -> Iterator[None]:
 
 def print_report(out: Console, report: Report) -> None:
     for c in report.errors:
-        out.print(f"[red]FAIL[/] {c.check}: {escape(c.message)}")
+        out.print(f"[red]FAIL[/] {c.check}: {escape(inert(c.message))}")
     for c in report.warnings:
-        out.print(f"[yellow]WARN[/] {c.check}: {escape(c.message)}")
+        out.print(f"[yellow]WARN[/] {c.check}: {escape(inert(c.message))}")
     live = sorted({c.subject for c in report.checks if c.check == "live-reachable"})
     if live:
         reached = sum(1 for c in report.checks if c.check == "live-reachable" and c.ok)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 from rich.console import Console
@@ -12,6 +11,7 @@ from dflashops.config.load import load_inventory
 from dflashops.errors import DflashopsError
 from dflashops.hosts.hostkeys import fingerprint, lookup, parse_key_line, record
 from dflashops.hosts.ssh import SshConnection, user_known_hosts
+from dflashops.output import confirm as ask_terminal
 from dflashops.output import escape
 from dflashops.project import find_inventory, split_names
 
@@ -38,7 +38,7 @@ def trust(
     for name in targets:
         host = inv.hosts[name]
         if host.is_local:
-            out.print(f"[{name}] local host: no SSH key to trust")
+            out.print(f"\\[{name}] local host: no SSH key to trust")
             continue
         try:
             failed += not _trust_one(out, host, yes, confirm)
@@ -68,26 +68,18 @@ def _trust_one(out: Console, host: Host, yes: bool, confirm: Callable[[str], boo
     previous = lookup(name, None, user_known_hosts(conn.fabric))
     same = [k for k in previous if k.key == key]
     if same:
-        out.print(f"[{host.name}] {name} presents {shown}: already trusted ({same[0].source})")
+        out.print(f"\\[{host.name}] {name} presents {shown}: already trusted ({same[0].source})")
         return True
     for old in previous:
         out.print(
             f"[{host.name}] {name} had {old.key.get_name()} {fingerprint(old.key)} in {old.source}"
         )
-    out.print(f"[{host.name}] {name} presents {shown}")
+    out.print(f"\\[{host.name}] {name} presents {shown}")
     if not yes:
-        ask = confirm or _terminal_confirm
+        ask = confirm or (lambda q: ask_terminal(q, "pass --yes to record the key"))
         if not ask(f"Trust this key for {host.name}? [y/N] "):
-            out.print(f"[{host.name}] not recorded")
+            out.print(f"\\[{host.name}] not recorded")
             return False
     path = record(name, key)
-    out.print(f"[{host.name}] recorded {shown} for {name} in {path}")
+    out.print(f"\\[{host.name}] recorded {shown} for {name} in {path}")
     return True
-
-
-def _terminal_confirm(question: str) -> bool:
-    if not sys.stdin.isatty():
-        raise DflashopsError(
-            "not on a terminal, so there is nobody to confirm: pass --yes to record the key"
-        )
-    return input(question).strip().lower() in ("y", "yes")

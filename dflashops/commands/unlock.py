@@ -10,7 +10,6 @@ scripts (as trust does).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 from rich.console import Console
@@ -21,6 +20,7 @@ from dflashops.config.inventory import Host
 from dflashops.config.load import load_inventory
 from dflashops.errors import DflashopsError
 from dflashops.hosts import connect
+from dflashops.output import confirm as ask_terminal
 from dflashops.output import escape
 from dflashops.project import find_inventory, split_names
 
@@ -66,9 +66,9 @@ def _unlock_one(out: Console, host: Host, yes: bool, confirm: Callable[[str], bo
             return state.held is False
         holder = state.holder
         assert holder is not None and holder.agent_pid is not None
-        if not yes and not (confirm or _ask)(
-            f"End that agent (pid {holder.agent_pid} on {host.name}) to release the lock? [y/N] "
-        ):
+        if not yes and not (
+            confirm or (lambda q: ask_terminal(q, "pass --yes to release the lock"))
+        )(f"End that agent (pid {holder.agent_pid} on {host.name}) to release the lock? [y/N] "):
             out.print(f"\\[{host.name}] not released")
             return False
         pid, started = holder.agent_pid, holder.agent_start_time or 0
@@ -76,7 +76,9 @@ def _unlock_one(out: Console, host: Host, yes: bool, confirm: Callable[[str], bo
     finally:
         conn.close()
     if not done.ok:
-        out.print(f"\\[{host.name}] [red]not released:[/] {escape(done.error or 'no reason given')}")
+        out.print(
+            f"\\[{host.name}] [red]not released:[/] {escape(done.error or 'no reason given')}"
+        )
         return False
     how = f"agent pid {pid} ended by {done.signalled}" if done.signalled else "its holder ended"
     out.print(
@@ -109,11 +111,3 @@ def _show(out: Console, name: str, state: LockAnswer) -> bool:
         "is alive"
     )
     return True
-
-
-def _ask(question: str) -> bool:
-    if not sys.stdin.isatty():
-        raise DflashopsError(
-            "not on a terminal, so there is nobody to confirm: pass --yes to release the lock"
-        )
-    return input(question).strip().lower() in ("y", "yes")

@@ -130,7 +130,7 @@ def refused(text: str, pid: int, command: str = "deploy") -> bool:
     """The refusal names the holder: who, the command, since when, the controller's pid."""
     return (
         "host l1 is locked by " in text
-        and "unreachable" not in text  # the host answered: a refusal, counted as failed
+        and "unreachable: [l1]" not in text  # the host answered: a refusal, counted as failed
         and f"(dflashops {command}, since 20" in text
         and f", pid {pid})" in text
         and "--lock-wait" in text

@@ -142,3 +142,24 @@ def test_a_local_connection_passes_only_kept_and_declared_variables(
     monkeypatch.setenv("LANG", "C.UTF-8")
     env = LocalConnection("local", {"DECLARED": "yes"}).run("env").out
     assert AWS not in env and "DECLARED=yes\n" in env and "LANG=C.UTF-8\n" in env
+
+
+def test_deploy_diff_prints_the_hosts_launch_script_inert(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`deploy --check --diff` prints the launch script the host has: its escape sequences
+    (a title change, a screen clear) are removed, its text stays."""
+    monkeypatch.setenv("CTL_KEY", KEY)
+    inventory = write_project(tmp_path, free_port())
+    script = tmp_path / ".dflashops" / "local" / "units" / "stub-0" / "launch.sh"
+    try:
+        assert main(["deploy", "--host", "local", "-i", str(inventory)]) == 0
+        with script.open("a") as f:
+            f.write("# \x1b]0;pwned\x07tampered\x1b[2J on the host\n")
+        capsys.readouterr()
+        main(["deploy", "--check", "--diff", "--host", "local", "-i", str(inventory)])
+        out = capsys.readouterr().out
+        assert "# tampered on the host" in out, out
+        assert "\x1b" not in out and "\x07" not in out, repr(out)
+    finally:
+        main(["stop", "--host", "local", "-i", str(inventory)])
