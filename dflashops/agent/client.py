@@ -27,7 +27,6 @@ from dflashops.agent.answers import (
     GpuFacts,
     HostFacts,
     Listening,
-    LockAnswer,
     ProbeResult,
     ProbeSpec,
     ReceiveResult,
@@ -42,6 +41,7 @@ from dflashops.agent.answers import (
     summarize,
 )
 from dflashops.agent.bundle import bundle, command
+from dflashops.agent.lock_answers import LockAnswer
 from dflashops.agent.reading import Frames, last_json_object
 from dflashops.agent.remote.main import SERVED as KEPT  # what a session serves
 from dflashops.errors import HostError, TransferError

@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from dflashops.agent.answers import LockAnswer, LockHolder
 from dflashops.agent.client import SLACK, Agent
+from dflashops.agent.lock_answers import LockAnswer, LockHolder
 from dflashops.errors import HostBusy, HostError
 from dflashops.output import duration
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from rich.console import Console
 
 from dflashops.agent import Agent, lock
-from dflashops.agent.answers import LockAnswer
+from dflashops.agent.lock_answers import LockAnswer
 from dflashops.config.inventory import Host
 from dflashops.config.load import load_inventory
 from dflashops.errors import DflashopsError
