@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashops.cache import cache_dir, warn_once
+from dflashops.engines.protocol import protocol
 
 NAMES = {
     "sglang": {
@@ -37,7 +38,6 @@ NAMES = {
         "kv": "vllm:kv_cache_usage_perc",
     },
 }
-FLAVOR = {"sglang": "sglang", "stub": "sglang", "vllm": "vllm"}
 STALE_S = 600.0  # a counter sample older than this gives no rate
 
 
@@ -70,7 +70,7 @@ def _sums(text: str) -> dict[str, float]:
 def parse(engine: str, text: str | None, at: float, previous: Reading | None = None) -> Reading:
     """One server's reading; ``previous`` (a vLLM server's last one) gives the counter's rate."""
     reading = Reading(at=at)
-    flavor = FLAVOR.get(engine)
+    flavor = protocol(engine)
     if flavor is None or text is None:
         return reading
     try:

@@ -1,24 +1,20 @@
 """What the commands that touch hosts share: select, pre-flight and render (nothing is shipped
-that pre-flight rejects), the orphan rule's names, one HostRun per host in a bounded pool,
-every host's outcome reported, a recap, and exit status 2 when any host failed."""
+that pre-flight rejects), the orphan rule's names, and each host's session (lifecycle/session.py).
+The changing commands' pool of HostRuns is in deploy.py: a read-only command never loads it."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from rich.console import Console
-from rich.live import Live
-from rich.text import Text
 
 from dflashops.config.inventory import Host
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
+from dflashops.hosts.base import BaseConnection
 from dflashops.hosts.inert import inert
-from dflashops.lifecycle import HostRun, Options
+from dflashops.lifecycle.session import HostSession
 from dflashops.nodestate import NodeState
 from dflashops.output import escape
 from dflashops.plan import build_plan, targets, topo_order
@@ -26,7 +22,6 @@ from dflashops.preflight import Report, run_preflight
 from dflashops.prewarm import Prewarm
 from dflashops.project import Selection, find_inventory, select, split_names
 from dflashops.render import Rendered
-from dflashops.run import on_hosts
 
 
 @dataclass
@@ -40,21 +35,25 @@ class Target:
     peers: dict[str, Host] = field(default_factory=dict)  # every inventory host (relays)
     warm: Prewarm | None = None  # connections opened while pre-flight ran
 
-    def run(self, host: Host, events: EventLog, opts: Options, board: Any = None) -> HostRun:
-        known = None if self.known is None else self.known.get(host.name, set())
-        run = HostRun(
-            host,
-            self.rendered.get(host.name, []),
-            events,
-            opts,
-            known=known,
-            node=self.nodes.get(host.name, NodeState()),
-            peers=self.peers,
-            warm=self.warm.take(host) if self.warm is not None else None,
-        )
-        if board is not None:
-            run.board = board
-        return run
+    def session(self, host: Host, events: EventLog) -> HostSession:
+        """A session on ``host`` for a command that only reads (status, top, logs)."""
+        return HostSession(host, self.rendered.get(host.name, []), events, **self.parts(host))
+
+    def parts(self, host: Host) -> SessionParts:
+        """What a session on ``host`` is made of besides its units and events."""
+        return {
+            "known": None if self.known is None else self.known.get(host.name, set()),
+            "node": self.nodes.get(host.name, NodeState()),
+            "peers": self.peers,
+            "warm": self.warm.take(host) if self.warm is not None else None,
+        }
+
+
+class SessionParts(TypedDict):
+    known: set[str] | None
+    node: NodeState
+    peers: dict[str, Host]
+    warm: BaseConnection | None
 
 
 def prepare(
@@ -136,73 +135,3 @@ def project_units(
             return {h: {u.name for u in hp.units} for h, hp in plan.hosts.items()}
     out.print(f"[yellow]WARN[/] orphans: not looked for, {escape(why)}")
     return None
-
-
-class ProgressBoard:
-    """One live line per host while waiting for readiness, on a terminal only."""
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.lines: dict[str, str] = {}
-        self.lock = threading.Lock()
-        self.live: Live | None = None
-
-    def update(self, host: str, text: str) -> None:
-        with self.lock:
-            if text:
-                self.lines[host] = text
-            else:
-                self.lines.pop(host, None)
-            if self.live is not None:
-                self.live.update(self._render())
-
-    def _render(self) -> Text:
-        return Text("\n".join(f"[{h}] {t}" for h, t in sorted(self.lines.items())), style="dim")
-
-    @contextmanager
-    def running(self) -> Iterator[ProgressBoard]:
-        if not self.console.is_terminal:
-            yield self
-            return
-        with Live(
-            self._render(), console=self.console, refresh_per_second=4, transient=True
-        ) as live:
-            self.live = live
-            try:
-                yield self
-            finally:
-                self.live = None
-
-
-def each_host(
-    out: Console,
-    target: Target,
-    events: EventLog,
-    forks: int,
-    work: Callable[[HostRun], None],
-    opts: Options,
-) -> int:
-    """``work`` on every host of the target, a recap, and the exit status (0, or 2)."""
-    board = ProgressBoard(out)
-
-    def one(host: Host) -> None:
-        run = target.run(host, events, opts, board.update)
-        try:
-            work(run)
-        finally:
-            run.close()
-
-    try:
-        with board.running():
-            outcomes = on_hosts(list(target.hosts.values()), one, forks, opts.abort)
-    finally:
-        if target.warm is not None:
-            target.warm.close()  # what no host's run took
-    for name, outcome in outcomes.items():
-        if not outcome.ok:
-            status = "failed" if outcome.unexpected or outcome.busy else "unreachable"
-            message = (outcome.error or "failed").removeprefix(f"[{name}] ")  # the line names it
-            events.emit(name, None, status, "host", message)  # type: ignore[arg-type]
-    ok = events.print_recap(target.hosts)
-    events.close()
-    return 0 if ok else 2

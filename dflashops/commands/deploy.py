@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
+from rich.live import Live
+from rich.text import Text
 
-from dflashops.commands.common import Target, each_host, prepare
+from dflashops.commands.common import Target, prepare
 from dflashops.commands.table import DEFAULT_FORKS
+from dflashops.config.inventory import Host
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
-from dflashops.lifecycle import Options
+from dflashops.lifecycle.deploy import HostRun
+from dflashops.lifecycle.options import Options
 from dflashops.output import some
 from dflashops.project import split_names
+from dflashops.run import on_hosts
 
 
 def deploy(
@@ -143,3 +151,80 @@ def stop(
                 f"no unit named {', '.join(unknown)} on {some(list(target.hosts)) or 'the selected hosts'}"
             )
     return code
+
+
+class ProgressBoard:
+    """One live line per host while waiting for readiness, on a terminal only."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.lines: dict[str, str] = {}
+        self.lock = threading.Lock()
+        self.live: Live | None = None
+
+    def update(self, host: str, text: str) -> None:
+        with self.lock:
+            if text:
+                self.lines[host] = text
+            else:
+                self.lines.pop(host, None)
+            if self.live is not None:
+                self.live.update(self._render())
+
+    def _render(self) -> Text:
+        return Text("\n".join(f"[{h}] {t}" for h, t in sorted(self.lines.items())), style="dim")
+
+    @contextmanager
+    def running(self) -> Iterator[ProgressBoard]:
+        if not self.console.is_terminal:
+            yield self
+            return
+        with Live(
+            self._render(), console=self.console, refresh_per_second=4, transient=True
+        ) as live:
+            self.live = live
+            try:
+                yield self
+            finally:
+                self.live = None
+
+
+def each_host(
+    out: Console,
+    target: Target,
+    events: EventLog,
+    forks: int,
+    work: Callable[[HostRun], None],
+    opts: Options,
+) -> int:
+    """``work`` on every host of the target, a recap, and the exit status (0, or 2)."""
+    board = ProgressBoard(out)
+
+    def one(host: Host) -> None:
+        run = HostRun(
+            host,
+            target.rendered.get(host.name, []),
+            events,
+            opts=opts,
+            board=board.update,
+            **target.parts(host),
+        )
+        try:
+            work(run)
+        finally:
+            run.close()
+
+    try:
+        with board.running():
+            outcomes = on_hosts(list(target.hosts.values()), one, forks, opts.abort)
+    finally:
+        if target.warm is not None:
+            target.warm.close()  # what no host's run took
+    for name, outcome in outcomes.items():
+        if not outcome.ok:
+            status = "failed" if outcome.unexpected or outcome.busy else "unreachable"
+            message = (outcome.error or "failed").removeprefix(f"[{name}] ")  # the line names it
+            events.emit(name, None, status, "host", message)  # type: ignore[arg-type]
+    ok = events.print_recap(target.hosts)
+    events.close()
+    return 0 if ok else 2

@@ -11,7 +11,6 @@ from dflashops.commands.common import prepare
 from dflashops.errors import DflashopsError, HostError
 from dflashops.events import EventLog
 from dflashops.hosts.inert import inert
-from dflashops.lifecycle import Options
 from dflashops.output import escape
 
 
@@ -43,7 +42,7 @@ def logs(
         raise DflashopsError(f"{unit} runs on {', '.join(places)}: say which with --host")
     host_name = places[0]
     host = target.hosts[host_name]
-    run = target.run(host, EventLog(out), Options())
+    run = target.session(host, EventLog(out))
     try:
         facts = run.gather()
         result = run.agent.tail(facts.workdir, unit, lines=lines)

@@ -16,7 +16,8 @@ from dflashops.config.inventory import Host
 from dflashops.engines import identity
 from dflashops.events import EventLog
 from dflashops.hosts.inert import inert
-from dflashops.lifecycle import Options, health_text, probe_spec
+from dflashops.lifecycle.session import HostSession
+from dflashops.lifecycle.verdicts import health_text, probe_spec
 from dflashops.metrics import Memory, Reading, shown
 from dflashops.orphans import Orphan
 from dflashops.output import duration, escape
@@ -112,24 +113,8 @@ def status(
 ) -> int:
     target = prepare(out, inventory, hosts, playbooks, all_named_hosts=True)
 
-    def look(host: Host) -> tuple[HostFacts, dict[str, UnitProbe], dict[str, str], list[Orphan]]:
-        run = target.run(host, EventLog(out), Options())
-        try:
-            facts = run.gather()
-            probed = [
-                r
-                for r in run.rendered
-                if r.unit.port is not None and (uf := facts.unit(r.unit.name)) and uf.running
-            ]
-            probes = run.agent.probe(facts.workdir, [probe_spec(r, metrics=True) for r in probed])
-            # Only failed units cost an extra call each: the end of the log says why.
-            tails = {
-                name: run.agent.tail(facts.workdir, name, lines=10).text
-                for name in failed_units(run.rendered, facts)
-            }
-            return facts, probes, tails, run.orphans
-        finally:
-            run.close()
+    def look(host: Host) -> Look:
+        return look_at(target.session(host, EventLog(out)))
 
     outcomes = on_hosts(list(target.hosts.values()), look, forks)
     memory = Memory()  # a vLLM counter's previous sample: tok/s since the last look
@@ -152,26 +137,7 @@ def status(
             continue
         facts, probes, tails, orphans = outcome.value
         for o in orphans:
-            row = orphan_row(name, o, facts)
-            rows.append(row)
-            add_row(
-                table,
-                name,
-                o.name,
-                "[magenta]orphan[/]",
-                str(row["pid"] or ""),
-                row["uptime"],
-                str(o.port or "-"),
-                "-",
-                "-",
-                "-",
-                "-",
-                "-",
-                "-",
-                "no playbook defines it",
-                row["gpus"],
-                "",
-            )
+            rows.append(add_orphan(table, name, o, facts))
         for r in target.rendered.get(name, []):
             probe = probes.get(r.unit.name)
             reading = memory.read(
@@ -213,6 +179,50 @@ def status(
         with open(json_path, "w", encoding="utf-8") as handle:
             handle.write("\n".join(json.dumps(row, default=str) for row in rows) + "\n")
     return 2 if bad else 0
+
+
+Look = tuple[HostFacts, dict[str, UnitProbe], dict[str, str], list[Orphan]]
+
+
+def look_at(session: HostSession) -> Look:
+    """One host's facts, its running services' probes, the log ends of its failed units (the
+    session is closed after)."""
+    try:
+        facts = session.gather()
+        probed = [
+            r
+            for r in session.rendered
+            if r.unit.port is not None and (uf := facts.unit(r.unit.name)) and uf.running
+        ]
+        specs = [probe_spec(r, metrics=True) for r in probed]
+        probes = session.agent.probe(facts.workdir, specs)
+        # Only failed units cost an extra call each: the end of the log says why.
+        tails = {
+            name: session.agent.tail(facts.workdir, name, lines=10).text
+            for name in failed_units(session.rendered, facts)
+        }
+        return facts, probes, tails, session.orphans
+    finally:
+        session.close()
+
+
+def add_orphan(table: Table, host: str, o: Orphan, facts: HostFacts) -> dict[str, Any]:
+    """An orphan's row in the table; its --json row returned."""
+    row = orphan_row(host, o, facts)
+    add_row(
+        table,
+        host,
+        o.name,
+        "[magenta]orphan[/]",
+        str(row["pid"] or ""),
+        row["uptime"],
+        str(o.port or "-"),
+        *["-"] * 6,
+        "no playbook defines it",
+        row["gpus"],
+        "",
+    )
+    return row
 
 
 def add_row(table: Table, *cells: str) -> None:

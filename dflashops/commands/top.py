@@ -31,7 +31,8 @@ from dflashops.config.types import parse_duration
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
 from dflashops.hosts.inert import inert
-from dflashops.lifecycle import HostRun, Options, probe_spec
+from dflashops.lifecycle.session import HostSession
+from dflashops.lifecycle.verdicts import probe_spec
 from dflashops.metrics import Memory, Reading, shown
 from dflashops.output import duration, escape
 from dflashops.render import Rendered
@@ -58,16 +59,16 @@ class Watch:
         self.target = target
         self.forks = forks
         self.keep = keep
-        self.runs: dict[str, HostRun] = {}
+        self.runs: dict[str, HostSession] = {}
         self.memory = Memory(persist=False)
         self.views: dict[str, HostView] = {h: HostView() for h in target.hosts}
         self.totals: list[float] = []  # the fleet's tok/s, refresh by refresh
         self.lock = threading.Lock()
 
-    def _run(self, host: Host) -> HostRun:
+    def _run(self, host: Host) -> HostSession:
         run = self.runs.get(host.name)
         if run is None or not self.keep:
-            run = self.target.run(host, EventLog(Console(quiet=True)), Options())
+            run = self.target.session(host, EventLog(Console(quiet=True)))
             self.runs[host.name] = run
         return run
 
@@ -182,8 +183,20 @@ def number(value: Any) -> float:
     return float(value) if ok and math.isfinite(value) else 0.0
 
 
-def frame(watch: Watch) -> Group:
-    now = time.time()
+def gpu_cells(gpus: Any, unit_gpus: tuple[int, ...]) -> tuple[str, str]:
+    """GPU% (the mean over the unit's GPUs) and GPU memory, `-` when nvidia-smi does not say."""
+    util, mem = "-", "-"
+    if gpus is not None and gpus.devices:
+        devices = [d for d in gpus.devices if d.index in unit_gpus]
+        utils = [d.utilization_pct for d in devices if d.utilization_pct is not None]
+        util = f"{sum(utils) / len(utils):.0f}%" if utils else "-"
+        used = sum(d.memory_used_mib or 0 for d in devices)
+        mem = f"{used / 1024:.0f}G" if devices else "-"
+    return util, mem
+
+
+def frame_tables() -> tuple[Table, Table, Table]:
+    """The servers, jobs and totals tables of a frame, empty."""
     servers = Table(
         "host",
         "unit",
@@ -223,6 +236,12 @@ def frame(watch: Watch) -> Group:
         box=None,
         title_justify="left",
     )
+    return servers, jobs, totals
+
+
+def frame(watch: Watch) -> Group:
+    now = time.time()
+    servers, jobs, totals = frame_tables()
     fleet = [0.0, 0, 0, 0.0, 0.0]
     for name, view in watch.views.items():
         if view.result is None:
@@ -239,13 +258,7 @@ def frame(watch: Watch) -> Group:
             restarts = str(p.supervisor.restarts if p and p.supervisor else 0)
             if r.unit.kind == "service":
                 m = view.readings.get(r.unit.name) or Reading()
-                util, mem = "-", "-"
-                if gpus is not None and gpus.devices:
-                    devices = [d for d in gpus.devices if d.index in r.unit.gpus]
-                    utils = [d.utilization_pct for d in devices if d.utilization_pct is not None]
-                    util = f"{sum(utils) / len(utils):.0f}%" if utils else "-"
-                    used = sum(d.memory_used_mib or 0 for d in devices)
-                    mem = f"{used / 1024:.0f}G" if devices else "-"
+                util, mem = gpu_cells(gpus, r.unit.gpus)
                 add_row(
                     servers,
                     name,

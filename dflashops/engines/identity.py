@@ -16,19 +16,20 @@ from typing import Any
 
 from dflashops.agent.answers import UnitProbe
 from dflashops.config.playbook import ModelService
+from dflashops.engines.protocol import protocol
 from dflashops.render import Rendered
 
 Mismatch = tuple[str, str, str]  # field, expected, actual
 
-IDENTITY_PATHS = {
+IDENTITY_PATHS = {  # by the protocol the engine speaks
     "sglang": ["/server_info", "/get_server_info"],
-    "stub": ["/server_info", "/get_server_info"],
     "vllm": ["/v1/models"],
 }
 
 
 def identity_paths(engine: str) -> list[str]:
-    return IDENTITY_PATHS.get(engine, [])
+    speaks = protocol(engine)
+    return list(IDENTITY_PATHS[speaks]) if speaks is not None else []
 
 
 def check(r: Rendered, probe: UnitProbe) -> list[Mismatch]:
@@ -53,7 +54,8 @@ def check(r: Rendered, probe: UnitProbe) -> list[Mismatch]:
         return out
     if unit.multi_node and unit.rank:
         return out  # a worker rank serves no HTTP: the head's identity stands for the unit
-    if unit.engine in ("sglang", "stub"):
+    speaks = protocol(unit.engine)
+    if speaks == "sglang":
         if not isinstance(body, dict):
             out.append(("server_info", "a JSON object", repr(body)[:80]))
             return out
@@ -64,7 +66,7 @@ def check(r: Rendered, probe: UnitProbe) -> list[Mismatch]:
         if unit.multi_node:
             _cmp(out, "nnodes", len(unit.nodes), body.get("nnodes"))
             _cmp(out, "node_rank", 0, body.get("node_rank"))
-    elif unit.engine == "vllm":
+    elif speaks == "vllm":
         data = body.get("data") if isinstance(body, dict) else None
         roots = [m.get("root") for m in data or [] if isinstance(m, dict)]
         if spec.model not in roots:

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from dflashops.engines.base import SecretArgs, ShellVar, Token, UnitFile
+from dflashops.engines.protocol import protocol
 
 if TYPE_CHECKING:
     from dflashops.plan import Unit
@@ -31,7 +32,6 @@ SECRETS_ENV = "secrets.env"
 CONFIG_FILE = "secret-args.yaml"  # SGLang and vLLM want a .yaml name
 ARGS_FILE = "secret-args.env"
 VLLM_KEY_VAR = "VLLM_API_KEY"
-CONFIG_ENGINES = ("sglang", "stub", "vllm")  # engines with their own --config FILE
 
 
 def split(unit: Unit) -> SecretArgs:
@@ -43,7 +43,7 @@ def split(unit: Unit) -> SecretArgs:
     if unit.engine == "vllm":
         key = wanted.pop("api-key", None)
         return SecretArgs(env={VLLM_KEY_VAR: key} if key else {}, config=wanted)
-    if unit.engine in CONFIG_ENGINES:
+    if protocol(unit.engine) is not None:  # SGLang and vLLM read their own --config FILE
         return SecretArgs(config=wanted)
     return SecretArgs(argv={_var(i): src for i, src in enumerate(wanted.values())})
 

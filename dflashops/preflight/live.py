@@ -20,13 +20,13 @@ from dflashops.engines import launch_for
 from dflashops.engines.base import HOST_PREFIX
 from dflashops.errors import HostError
 from dflashops.hosts import connect
+from dflashops.lifecycle.session import envs_request, files_request
 from dflashops.nodestate import local_scan
 from dflashops.plan import HostPlan, Plan, Unit
 from dflashops.preflight import parsers
 from dflashops.preflight.offline import Check, Report
 from dflashops.preflight.parsers import Verdict
 from dflashops.run import on_hosts
-from dflashops.stage import envs_request, files_request
 from dflashops.transfer import diff, human, listing, space_problem
 
 ENGINE_MODULES = {"sglang": "sglang", "vllm": "vllm"}

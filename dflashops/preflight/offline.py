@@ -20,6 +20,7 @@ from typing import Any
 
 from dflashops import reads
 from dflashops.engines.base import ShippedFile, known_flags
+from dflashops.engines.protocol import protocol
 from dflashops.engines.secrets import looks_secret
 from dflashops.errors import Problem
 from dflashops.plan import Plan, Unit, build_plan
@@ -220,11 +221,10 @@ def compile_python(shipped: ShippedFile, units: list[str], passed: Passed | None
 def engine_flags(r: Rendered) -> list[Check]:
     """Every flag of an SGLang (or stub) command must be one SGLang 0.5.23 accepts; vLLM flags
     outside its list are warnings, since that list can miss generated flags."""
-    engine = r.unit.engine
-    if engine not in ("sglang", "stub", "vllm"):
+    list_name = protocol(r.unit.engine)
+    if list_name is None:
         return []
     argv = r.launch.engine_args
-    list_name = "vllm" if engine == "vllm" else "sglang"
     allowed = known_flags(list_name)
     unknown = [
         t.split("=", 1)[0]
@@ -234,7 +234,7 @@ def engine_flags(r: Rendered) -> list[Check]:
     check = f"{list_name}-flags"
     if not unknown:
         return [Check(check, subject(r), True)]
-    if engine == "vllm":
+    if list_name == "vllm":
         message = f"not in vLLM 0.33.0's flag list (check it against the host's vLLM): {', '.join(unknown)}"
         return [Check.failed(check, subject(r), r.unit.problem(message, "args"), "warning")]
     hint = ""

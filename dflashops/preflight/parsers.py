@@ -189,7 +189,7 @@ def _flag_list(line: Line, why: str) -> Verdict:
 
 
 class Run(Protocol):
-    """What of lifecycle.HostRun this needs (lifecycle imports this module, not the reverse)."""
+    """What of lifecycle.deploy.HostRun this needs (it imports this module, not the reverse)."""
 
     agent: Agent
     workdir: str

@@ -50,7 +50,7 @@ from lifecycle_helpers import (
 )
 
 import dflashops.commands.deploy
-from dflashops.lifecycle import Options
+from dflashops.lifecycle.options import Options
 from tests.procs import alive, all_pids, boot_id, free_ports, group_members, start_time, wait_for
 from tests.procs import stat as proc_stat
 

@@ -7,7 +7,7 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from dflashops.config.types import Size
-from dflashops.lifecycle import unit_record
+from dflashops.lifecycle.verdicts import unit_record
 from tests.conftest import WriteTree
 from tests.unit.test_render import render
 

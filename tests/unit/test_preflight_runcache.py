@@ -383,7 +383,7 @@ def test_the_code_identity_covers_the_package_and_its_templates(
     for changed in (
         "templates/_unit.sh.j2",
         "dflashops/data/sglang-flags.txt",
-        "dflashops/plan.py",
+        "dflashops/plan/build.py",
     ):
         with (copy / changed).open("a") as f:
             f.write("\n")

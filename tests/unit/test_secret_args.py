@@ -18,7 +18,7 @@ from dflashops.config.load import load_playbook
 from dflashops.engines import secrets
 from dflashops.errors import ConfigError
 from dflashops.events import EventLog
-from dflashops.lifecycle import auth_headers, unit_record
+from dflashops.lifecycle.verdicts import auth_headers, unit_record
 from tests.conftest import WriteTree
 from tests.fakes import harness
 from tests.unit.test_render import render, run_script

@@ -1,5 +1,5 @@
 """What units stand on, made so on one host before any unit starts: environments first, then
-files entries in playbook order (DESIGN.md "Node state"). Used by HostRun.deploy.
+files entries in playbook order (DESIGN.md "Node state"). Used by deploy.py's HostRun.deploy.
 
 Every step is judged from the one facts call (its ``files`` and ``envs`` parts): an entry whose
 dest already holds its source, an environment whose build is in place, costs nothing more.
@@ -16,50 +16,35 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from dflashops.agent import Agent
 from dflashops.agent.answers import FileState, HostFacts, JobState
 from dflashops.cache import cache_dir
 from dflashops.errors import DflashopsError, HostError
+from dflashops.lifecycle.session import HostSession
 from dflashops.nodestate import EnvPlan, FilePlan, NodeState, local_scan
 from dflashops.transfer import Transfer, diff, human, listing, pull, space_problem, upload
-
-if TYPE_CHECKING:
-    from dflashops.lifecycle import HostRun
 
 State = Literal["ok", "changed", "waiting", "failed"]
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
-def files_request(node: NodeState) -> list[dict[str, Any]]:
-    """What facts should report about each entry (its dest; a same-host source too)."""
-    out = []
-    for f in node.files:
-        item: dict[str, Any] = {
-            "key": f.key,
-            "dest": f.dest,
-            "listing": f.kind in ("controller", "relay"),
-        }
-        if f.kind == "controller" and f.local is not None:
-            item["expect"] = local_scan(f.local)["digest"]
-        if f.kind == "host":
-            item["src"] = f.src
-        out.append(item)
-    return out
-
-
-def envs_request(node: NodeState) -> list[dict[str, Any]]:
-    return [{"name": e.name, "path": e.path, "hash": e.hash} for e in node.envs.values()]
-
-
 @dataclass
 class Stage:
-    run: HostRun
+    """The step on one host's session; ``check``: say what would change, change nothing;
+    ``abort``: raises between steps once the run is interrupted; ``failed``: the run's failed
+    names, which this step adds its environments and entries to."""
+
+    session: HostSession
     node: NodeState
     facts: HostFacts
+    check: bool = False
+    abort: Callable[[], None] = lambda: None
+    failed: set[str] = field(default_factory=set)
     envs_failed: dict[str, str] = field(default_factory=dict)  # env -> why
     entries: dict[str, State] = field(default_factory=dict)  # files key -> outcome
     reasons: dict[str, str] = field(default_factory=dict)  # files key -> why waiting/failed
@@ -74,11 +59,7 @@ class Stage:
 
     @property
     def agent(self) -> Agent:
-        return self.run.agent
-
-    @property
-    def check(self) -> bool:
-        return self.run.opts.check
+        return self.session.agent
 
     # -- environments --------------------------------------------------------------------------
 
@@ -110,14 +91,14 @@ class Stage:
                     f"environment {env.name} would be built at {env.path} (build {env.hash[:12]}: {what}{extra}){self._broken(env)}",
                 )
             return
-        self.run.check_abort()
+        self.abort()
         specs = []
         for env in todo:
             try:
                 specs.append(self._env_spec(env))
             except DflashopsError as exc:
-                self._env_failed(env, str(exc).removeprefix(f"[{self.run.host.name}] "))
-        results = self.agent.build(self.run.workdir, specs)
+                self._env_failed(env, str(exc).removeprefix(f"[{self.session.host.name}] "))
+        results = self.agent.build(self.session.workdir, specs)
         for env in todo:
             res = results.get(env.name)
             if env.name in self.envs_failed:
@@ -157,17 +138,17 @@ class Stage:
         }
         if not env.inputs:
             return spec
-        inputs = env.inputs_dir(self.run.workdir)
+        inputs = env.inputs_dir(self.session.workdir)
         local = self._inputs_folder(env)
-        have = self.agent.scan(self.run.workdir, inputs, cache="dest").tree
+        have = self.agent.scan(self.session.workdir, inputs, cache="dest").tree
         if have is None:
-            raise HostError(self.run.host.name, f"the scan of {inputs} answered without it")
+            raise HostError(self.session.host.name, f"the scan of {inputs} answered without it")
         plan = diff(dict(env.inputs.items()), listing(have.files), have.parts, delete=True)
         if not plan.empty:
-            res = upload(self.agent, self.run.workdir, inputs, local, plan, None)
+            res = upload(self.agent, self.session.workdir, inputs, local, plan, None)
             if not res.ok:
                 raise HostError(
-                    self.run.host.name,
+                    self.session.host.name,
                     f"shipping the inputs of environment {env.name} failed: {res.error or res.failed}",
                 )
         if env.requirements is not None:
@@ -191,17 +172,17 @@ class Stage:
 
     def _env_failed(self, env: EnvPlan, why: str) -> None:
         self.envs_failed[env.name] = why
-        self.run.failed.add(f"environment:{env.name}")
+        self.failed.add(f"environment:{env.name}")
         self._env_event(env, "failed", f"environment {env.name}: {why}")
 
     def _env_event(self, env: EnvPlan, status: str, message: str) -> None:
-        self.run.emit(None, status, "environment", message, entry=f"env:{env.name}")
+        self.session.emit(None, status, "environment", message, entry=f"env:{env.name}")
 
     # -- files -----------------------------------------------------------------------------------
 
     def files(self) -> None:
         for f in self.node.files:
-            self.run.check_abort()
+            self.abort()
             state = self.facts.files.get(f.key)
             if state is None:
                 self._entry(f, "failed", "facts did not report this entry")
@@ -217,7 +198,7 @@ class Stage:
                     "relay": self._relay,
                 }[f.kind](f, state)
             except DflashopsError as exc:
-                self._entry(f, "failed", str(exc).removeprefix(f"[{self.run.host.name}] "))
+                self._entry(f, "failed", str(exc).removeprefix(f"[{self.session.host.name}] "))
 
     def _entry(self, f: FilePlan, outcome: State, message: str, **data: Any) -> None:
         self.entries[f.key] = outcome
@@ -227,8 +208,8 @@ class Stage:
             outcome
         ]
         if outcome == "failed":
-            self.run.failed.add(f"files:{f.key}")
-        self.run.emit(
+            self.failed.add(f"files:{f.key}")
+        self.session.emit(
             None, status, "files", f"{f.label} -> {f.dest}: {message}", entry=f.key, **data
         )
 
@@ -236,8 +217,8 @@ class Stage:
         if f.entry.after_parts is None:
             return True
         host, job = f.entry.after_parts
-        peer = self.run.peer(host)
-        found = peer.scan(self.run.peer_workdir(host), None, job=job)
+        peer = self.session.peer(host)
+        found = peer.scan(self.session.peer_workdir(host), None, job=job)
         state = found.job or JobState(state="never")
         if state.state == "done":
             return True
@@ -268,7 +249,7 @@ class Stage:
         if self.check:
             self._entry(f, "changed", f"would send {what}", bytes=plan.bytes, files=len(plan.send))
             return
-        res = upload(self.agent, self.run.workdir, f.dest, local, plan, f.entry.mode_bits)
+        res = upload(self.agent, self.session.workdir, f.dest, local, plan, f.entry.mode_bits)
         self.digests[f.key] = res.digest
         if not res.ok:
             failed = "; ".join(f"{rel or f.dest}: {why}" for rel, why in res.failed.items())
@@ -294,7 +275,9 @@ class Stage:
         src = state.src
         self.targets[f.key] = src.digest if src is not None else None
         if src is not None and not src.exists:
-            self._entry(f, "failed", f"the source {f.src} does not exist on {self.run.host.name}")
+            self._entry(
+                f, "failed", f"the source {f.src} does not exist on {self.session.host.name}"
+            )
             return
         if src is not None and src.digest is not None and src.digest == state.digest:
             self._entry(f, "ok", f"ok (same as {f.src})")
@@ -328,12 +311,12 @@ class Stage:
             self._entry(f, "failed", f"secret_env needs {', '.join(missing)} set on the controller")
             return
         secrets = {k: os.environ[v] for k, v in f.entry.secret_env.items()}
-        self.run.events.add_secrets(secrets.values())
+        self.session.events.add_secrets(secrets.values())
         self._copy(f, hub={"repo": f.src, "revision": f.revision}, secrets=secrets)
 
     def _copy(self, f: FilePlan, **how: Any) -> None:
         res = self.agent.copy(
-            self.run.workdir, f.dest, delete=f.entry.delete, mode=f.entry.mode_bits, **how
+            self.session.workdir, f.dest, delete=f.entry.delete, mode=f.entry.mode_bits, **how
         )
         self.digests[f.key] = res.digest
         if not res.ok:
@@ -353,8 +336,8 @@ class Stage:
 
     def _relay(self, f: FilePlan, state: FileState) -> None:
         assert f.src_host is not None
-        peer = self.run.peer(f.src_host)
-        found = peer.scan(self.run.peer_workdir(f.src_host), f.src).tree
+        peer = self.session.peer(f.src_host)
+        found = peer.scan(self.session.peer_workdir(f.src_host), f.src).tree
         if found is None or not found.exists:
             self._entry(f, "failed", f"the source {f.src_host}:{f.src} does not exist")
             return
@@ -375,7 +358,7 @@ class Stage:
             return
         private(staging)
         _, failed = pull(
-            peer, self.run.peer_workdir(f.src_host), f.src, src, staging, timeout=6 * 3600
+            peer, self.session.peer_workdir(f.src_host), f.src, src, staging, timeout=6 * 3600
         )
         if failed:
             shown = "; ".join(f"{rel or f.src}: {why}" for rel, why in list(failed.items())[:3])

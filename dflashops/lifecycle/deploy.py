@@ -1,12 +1,12 @@
 """Carry out changes on one host: ship, stop, start, wait for readiness, verify identity.
 
-One ``HostRun`` per host (hosts run in parallel, see run.py). It holds the host's connection
-and agent and reports every step through the shared EventLog. Round trips: facts (1), then only
-what the changes need: ship (1, or 2 when units restart), stop (1), start (1 per batch), and
-one wait on the host for everything started (polled there, reported as it happens); the facts
-call probes the services too, so a deploy with nothing to do costs that one call. Orphans
-(units no project playbook defines for the host, see orphans.py) are named, block only what
-they hold, and go with --prune.
+One ``HostRun`` per host (hosts run in parallel, see run.py), built on the host's session
+(session.py) and its readiness wait (ready.py); it reports every step through the shared
+EventLog. Round trips: facts (1), then only what the changes need: ship (1, or 2 when units
+restart), stop (1), start (1 per batch), and one wait on the host for everything started
+(polled there, reported as it happens); the facts call probes the services too, so a deploy
+with nothing to do costs that one call. Orphans (units no project playbook defines for the
+host, see orphans.py) are named, block only what they hold, and go with --prune.
 """
 
 from __future__ import annotations
@@ -15,169 +15,35 @@ import difflib
 import hashlib
 import json
 import os
-import threading
-import time
-from collections.abc import Callable
-from contextlib import closing
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import dataclass
 
-from dflashops.agent import Agent
-from dflashops.agent.answers import HostFacts, ProbeSpec, StopResult, UnitProbe
+from dflashops.agent.answers import HostFacts
 from dflashops.agent.lock import take as hold_lock
 from dflashops.changes import Change, describe_state, plan_changes
-from dflashops.config.inventory import Host
-from dflashops.config.playbook import Job, Ready
-from dflashops.engines import identity
-from dflashops.engines.secrets import auth_headers as secret_auth
 from dflashops.engines.secrets import files as secret_files
-from dflashops.errors import HostError
-from dflashops.events import EventLog
-from dflashops.hosts import connect
-from dflashops.hosts.base import BaseConnection
 from dflashops.hosts.inert import inert
-from dflashops.nodestate import NodeState
-from dflashops.orphans import Orphan, blocking, find, ways_out
+from dflashops.lifecycle.ready import Readiness
+from dflashops.lifecycle.stage import Stage
+from dflashops.lifecycle.verdicts import (
+    launch_bytes,
+    replica_batches,
+    stop_problem,
+    stopped_text,
+    unit_record,
+)
+from dflashops.orphans import blocking, ways_out
 from dflashops.preflight.parsers import before_restart
 from dflashops.render import Rendered
-from dflashops.spans import Spans, label, span_of
-from dflashops.stage import Stage, envs_request, files_request
-from dflashops.supervision import policy, restart_policy
+from dflashops.spans import span_of
 
-POLL = 0.25  # s between readiness checks on the host (at most: a unit's interval may be less)
-REPORT_EVERY = 2.0  # s between the host's progress reports while it waits
-Board = Callable[[str, str], None]  # host, text: the live progress line (no-op off a terminal)
+MEET_TIMEOUT = 120.0  # s a host waits for the other hosts of a unit to restart it together
 
 
 @dataclass
-class Options:
-    check: bool = False
-    diff: bool = False
-    force: bool = False  # start even where GPUs hold memory of processes that are not ours
-    rerun: bool = False  # run jobs again that finished with exit 0
-    prune: bool = False  # deploy: stop orphans and move their folders to units/.pruned/
-    keep_logs: int = 20
-    gpu_timeout: float = 60.0
-    lock_wait: float = 0.0  # s to wait for a host's deploy lock held by another actor
-    abort: threading.Event = field(default_factory=threading.Event)  # set on Ctrl-C
-    spans: Spans = field(default_factory=Spans)  # the hosts' word on units over several hosts
-
-
-class Interrupted(HostError):
-    """Ctrl-C: the host stops between steps (never in the middle of a verified put)."""
-
-
-@dataclass
-class HostRun:
-    host: Host
-    rendered: list[Rendered]
-    events: EventLog
-    opts: Options = field(default_factory=Options)
-    board: Board = lambda host, text: None
-    # Unit names the project's playbooks define for this host; None: unknown (a project
-    # playbook did not load), so nothing is called an orphan.
-    known: set[str] | None = None
-    node: NodeState = field(default_factory=NodeState)  # environments and files for this host
-    peers: dict[str, Host] = field(default_factory=dict)  # the inventory: relay sources
-    ready: set[str] = field(default_factory=set)
-    failed: set[str] = field(default_factory=set)
-    waiting: set[str] = field(default_factory=set)  # units held back by a files entry
-    orphans: list[Orphan] = field(default_factory=list)
-    warm: BaseConnection | None = None  # opened while pre-flight ran (prewarm.py)
-
+class HostRun(Readiness):
     def __post_init__(self) -> None:
-        self.conn = self.warm if self.warm is not None else connect(self.host)
-        # One agent kept for the run: facts, write, stop, start and wait are requests to it,
-        # not a new interpreter each (round trips stay; processes and their start-up go).
-        self.agent = Agent(self.conn, self.host.python, keep=True)
-        self.by_name = {r.unit.name: r for r in self.rendered}
-        self.workdir = self.host.workdir  # replaced by the host's absolute path at the first facts
-        self.peer_agents: dict[str, Agent] = {}
+        super().__post_init__()
         self.stage: Stage | None = None
-        # Services over several hosts this host has a part of (see spans.py).
-        self.told: set[str] = set()  # spans whose failure this host has reported in full
-        self.spans = {
-            s for r in self.rendered if r.unit.kind == "service" and (s := span_of(r.unit))
-        }
-
-    def peer(self, name: str) -> Agent:
-        """The agent on another inventory host (a relay's source), connected once."""
-        if name == self.host.name:
-            return self.agent
-        if name not in self.peer_agents:
-            if name not in self.peers:
-                raise HostError(self.host.name, f"{name} is not in the inventory")
-            other = self.peers[name]
-            self.peer_agents[name] = Agent(connect(other), other.python)
-        return self.peer_agents[name]
-
-    def peer_workdir(self, name: str) -> str:
-        return self.workdir if name == self.host.name else self.peers[name].workdir
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def emit(
-        self, unit: str | None, status: str, action: str, message: str, **data: object
-    ) -> None:
-        self.events.emit(self.host.name, unit, status, action, message, **data)  # type: ignore[arg-type]
-
-    def fail(self, unit: str, action: str, message: str, origin: bool = True) -> None:
-        self.failed.add(unit)
-        self.emit(unit, "failed", action, message)
-        r = self.by_name.get(unit)
-        span = span_of(r.unit) if r is not None else None
-        if origin and span in self.spans and action in ("start", "ready", "verify"):
-            assert span is not None and r is not None
-            self.opts.spans.fail(span, f"{label(r.unit)}: {message}")
-
-    def unit_dir(self, name: str) -> str:
-        return f"{self.workdir}/units/{name}"
-
-    def gather(self, probe: bool = False) -> HostFacts:
-        """Facts (with ``probe``: the services' probes too, for a deploy's first verdicts)."""
-        facts = self.agent.facts(
-            self.host.workdir,
-            files=files_request(self.node),
-            envs=envs_request(self.node),
-            ports=[r.unit.port for r in self.rendered if r.unit.port is not None],
-            probes=[probe_spec(r) for r in self.rendered if r.unit.kind == "service"]
-            if probe
-            else (),
-            settled=None
-            if self.opts.rerun or not probe
-            else {
-                r.unit.name: {"fingerprint": r.fingerprint, "job": r.unit.kind == "job"}
-                for r in self.rendered
-            },
-        )
-        self.workdir = facts.workdir
-        self.orphans = find(facts, self.known) if self.known is not None else []
-        return facts
-
-    def check_abort(self) -> None:
-        if self.opts.abort.is_set():
-            raise Interrupted(
-                self.host.name,
-                "interrupted (Ctrl-C): stopped between steps; `dflashops status` shows where it stands",
-            )
-
-    def close(self) -> None:
-        # For --json readers and benchmarks: how many round trips this host cost.
-        self.agent.close()
-        self.events.emit(
-            self.host.name,
-            None,
-            "info",
-            "stats",
-            f"{self.agent.round_trips} round trips, {self.conn.commands} remote commands",
-            show=False,
-            commands=self.conn.commands,
-            round_trips=self.agent.round_trips,
-        )
-        self.conn.close()
-        for agent in self.peer_agents.values():
-            agent.close()
-            agent.conn.close()
 
     # -- deploy ----------------------------------------------------------------------------
 
@@ -203,9 +69,11 @@ class HostRun:
     def _deploy(self) -> None:
         if not self.opts.check:  # a plan changes nothing: it needs no lock
             self.take_lock("deploy")
-        facts = self.gather(probe=True)
+        facts = self.gather(probe=True, rerun=self.opts.rerun)
         self._orphans()
-        self.stage = stage = Stage(self, self.node, facts)
+        self.stage = stage = Stage(
+            self, self.node, facts, self.opts.check, self.check_abort, self.failed
+        )
         stage.environments()
         stage.files()
         changes = plan_changes(
@@ -625,233 +493,6 @@ class HostRun:
             )
         self.orphans = kept
 
-    # -- readiness and identity ------------------------------------------------------------
-
-    def _wait_ready(
-        self,
-        units: list[Rendered],
-        changes: dict[str, Change],
-        first: dict[str, UnitProbe] | None = None,
-    ) -> None:
-        """Judge each unit ready and verified, dead (reported at once with its log) or out of
-        time. Units not (re)started in this run are judged on ``first`` (the probe made with
-        the facts) when it has them; the rest are waited for on the host: one ``wait`` call
-        that polls there and reports as units finish (round trips: 1, however long it takes)."""
-        pending = {r.unit.name: r for r in units}
-        started = time.monotonic()
-        deadline = {n: started + ready_settings(r).timeout for n, r in pending.items()}
-        last: dict[str, str] = {}
-        for name, r in list(pending.items()):
-            c = changes.get(name)
-            fresh = c is not None and c.runs_after
-            if (
-                first
-                and name in first
-                and not fresh
-                and self._judge(r, first[name], c, False, last)
-            ):
-                del pending[name]
-        seen: dict[str, UnitProbe] = {}  # the last full probe of each unit
-        while pending:
-            if self._span_casualties(pending):
-                continue
-            now = time.monotonic()
-            specs = [(probe_spec(r), max(0.0, deadline[n] - now)) for n, r in pending.items()]
-            poll = min([POLL] + [ready_settings(r).interval for r in pending.values()])
-            held = {n for n, r in pending.items() if self._held(r)}
-            stream = self.agent.wait(
-                self.workdir,
-                specs,
-                poll=poll,
-                report_every=REPORT_EVERY,
-                abort=self.opts.abort,
-                hold=held,
-            )
-            with closing(stream) as reports:  # a break below ends the host's wait too
-                for report in reports:
-                    for name, p in report.units.items():
-                        if name not in pending:
-                            continue
-                        seen[name] = p
-                        late = time.monotonic() > deadline[name]
-                        if name not in report.done and not late:
-                            continue  # a progress line: the host's rule says it is not done yet
-                        late = late or name in report.done
-                        if self._judge(pending[name], p, changes.get(name), late, last):
-                            del pending[name]
-                    # Ranks watched while their unit got ready: it is, and they still run
-                    # (a probe from before their banner: the next wait, without hold, says).
-                    joined = [
-                        n
-                        for n in held & set(pending)
-                        if self.opts.spans.is_ready(span_of(pending[n].unit))
-                    ]
-                    for name in joined:
-                        got = seen.get(name)
-                        if (
-                            got is not None
-                            and got.banner is not None
-                            and self._judge(pending[name], got, changes.get(name), False, last)
-                        ):
-                            del pending[name]
-                    if joined:
-                        break  # the host still watches them: a new wait, without hold
-                    if pending:
-                        self.board(
-                            self.host.name,
-                            f"{len(units) - len(pending)}/{len(units)} ready, waiting for "
-                            f"{', '.join(sorted(pending))} ({time.monotonic() - started:.0f}s)",
-                        )
-                    if any(self.opts.spans.failure(span_of(r.unit)) for r in pending.values()):
-                        break  # a part elsewhere failed: this wait ends now (the stream closes)
-            if self.opts.abort.is_set():
-                raise Interrupted(
-                    self.host.name,
-                    f"interrupted while waiting for {', '.join(sorted(pending))}",
-                )
-        self.board(self.host.name, "")
-
-    def _held(self, r: Rendered) -> bool:
-        """A part of a multi-host unit with no readiness of its own (a worker rank, a Ray
-        node): ready at its banner alone, it is watched until its unit's head part is ready,
-        so that dying meanwhile (even right after the banner) fails the unit."""
-        span = span_of(r.unit)
-        return (
-            span in self.spans
-            and not self.opts.spans.is_ready(span)
-            and (r.unit.port is None or r.launch.health_path is None)
-        )
-
-    def _span_casualties(self, pending: dict[str, Rendered]) -> bool:
-        """Fail (and stop waiting for) the pending parts of units that failed elsewhere."""
-        hit = False
-        for name, r in list(pending.items()):
-            why = self._span_failure(r)
-            if why is not None:
-                del pending[name]
-                self.fail(name, "ready", f"not ready: {why}", False)
-                hit = True
-        return hit
-
-    def _span_failure(self, r: Rendered) -> str | None:
-        """Why the unit this part belongs to failed (None: it did not). The failing part's log
-        tail is told once per host: the host's first part to hear it."""
-        span = span_of(r.unit)
-        why = self.opts.spans.failure(span)
-        if why is None or span is None:
-            return None
-        if span in self.told:
-            first = why.splitlines()[0].removesuffix("; last lines of its log:")
-            why = f"{first} (its log is above)" if "\n" in why else first
-        self.told.add(span)
-        return f"{r.unit.service} failed: {why}"
-
-    def _settle_spans(self, spans: set[str]) -> None:
-        """Once the other hosts of these multi-host units are done with them too: a failed
-        unit stops on every host, its parts here included (even ready ones, and a crashed one
-        its supervisor would restart): one rank alone only holds GPUs."""
-        if not spans:
-            return
-        self.opts.spans.end(spans, self.host.name)
-        parts = [r for r in self.rendered if span_of(r.unit) in spans]
-        longest = max(ready_settings(r).timeout for r in parts)
-        self.opts.spans.settle(spans, self.host.name, longest + 30.0, self.opts.abort)
-        doomed = [r for r in parts if self.opts.spans.failure(span_of(r.unit)) is not None]
-        if not doomed:
-            return
-        for r in doomed:
-            self.ready.discard(r.unit.name)
-            if r.unit.name not in self.failed:
-                self.fail(r.unit.name, "ready", self._span_failure(r) or "", False)
-        self.check_abort()
-        results = self.agent.stop(
-            self.workdir,
-            [(r.unit.name, r.unit.spec.stop_grace) for r in doomed],
-            gpu_timeout=self.opts.gpu_timeout,
-        )
-        for r in doomed:
-            res = results.get(r.unit.name)
-            if res is None or not res.ok:
-                self.emit(r.unit.name, "failed", "stop", f"stop incomplete: {stop_problem(res)}")
-            elif res.was_running:
-                self.emit(
-                    r.unit.name,
-                    "changed",
-                    "stop",
-                    f"stopped with the rest of {r.unit.service} ({stopped_text(res)}; logs kept)",
-                )
-
-    def _judge(
-        self, r: Rendered, p: UnitProbe | None, c: Change | None, late: bool, last: dict[str, str]
-    ) -> bool:
-        """True when the unit's wait is over (ready, drifted, dead or timed out)."""
-        name = r.unit.name
-        if p is None:
-            self.fail(name, "ready", "the probe returned nothing for this unit")
-            return True
-        restarting = p.supervisor is not None and p.supervisor.restarting
-        if not (p.alive and p.ours) or restarting:
-            code = (
-                f"exit code {p.exit.code}" if p.exit and p.exit.code is not None else "no exit code"
-            )
-            log = "\n".join(f"    {line}" for line in (p.log_tail or [])) or "    (log is empty)"
-            then = ""
-            if span_of(r.unit) in self.spans:
-                then = "; the unit stops on every host"  # see _settle_spans
-            elif restarting and p.supervisor is not None:
-                then = (
-                    f"; its supervisor restarts it ({restart_policy(r.unit)}, in "
-                    f"{p.supervisor.next_start_in or 0:g}s): `dflashops stop --unit {name}` ends that"
-                )
-            self.fail(
-                name, "ready", f"died while starting ({code}){then}; last lines of its log:\n{log}"
-            )
-            return True
-        healthy = (
-            r.unit.port is None
-            or r.launch.health_path is None
-            or (p.health is not None and p.health.status == 200)
-        )
-        if not healthy:
-            last[name] = health_text(p)
-            if late:
-                timeout = ready_settings(r).timeout
-                after = (
-                    "stopped with the unit's other parts (logs kept)"
-                    if span_of(r.unit) in self.spans
-                    else "left running for inspection"
-                )
-                self.fail(
-                    name,
-                    "ready",
-                    f"not ready after {timeout:.0f}s (last probe: {last[name]}); {after}",
-                )
-                return True
-            return False
-        mismatches = identity.check(r, p)
-        if mismatches:
-            self.fail(
-                name,
-                "verify",
-                "drifted: the running unit is not the one rendered\n"
-                + identity.describe(mismatches),
-            )
-            return True
-        self.ready.add(name)
-        span = span_of(r.unit)
-        if span in self.spans and r.unit.port is not None and r.launch.health_path is not None:
-            self.opts.spans.mark_ready(span)  # its head: every rank has joined it
-        fresh = c is not None and c.runs_after
-        self.emit(
-            name,
-            "ok" if not fresh else "changed",
-            "ready",
-            f"ready and verified (pid {p.pid}, fingerprint {r.short})"
-            if fresh
-            else f"ok (pid {p.pid}, fingerprint {r.short})",
-        )
-        return True
-
     # -- jobs ------------------------------------------------------------------------------
 
     def _run_jobs(self, jobs: list[Change], facts: HostFacts) -> None:
@@ -891,99 +532,3 @@ class HostRun:
                 if not c.runs_after:
                     self.emit(c.name, "ok", "verify", c.reason)
                 self.ready.add(c.name)
-
-
-MEET_TIMEOUT = 120.0  # s a host waits for the other hosts of a unit to restart it together
-
-
-def replica_batches(changes: list[Change]) -> list[list[Change]]:
-    """A rolling restart's steps: the parts of each unit over several hosts together, first,
-    in the same order on every host (so the hosts meet on them in turn); then each other
-    replica alone."""
-    spans: dict[str, list[Change]] = {}
-    alone: list[list[Change]] = []
-    for c in changes:
-        span = span_of(c.rendered.unit)
-        if span is None:
-            alone.append([c])
-        else:
-            spans.setdefault(span, []).append(c)
-    return [spans[s] for s in sorted(spans)] + alone
-
-
-def health_text(p: UnitProbe) -> str:
-    if p.health is None:
-        return "not probed"
-    if p.health.status:
-        return f"HTTP {p.health.status}"
-    return p.health.error or "no answer"
-
-
-def ready_settings(r: Rendered) -> Ready:
-    spec = r.unit.spec
-    return Ready() if isinstance(spec, Job) else spec.ready
-
-
-def launch_bytes(r: Rendered) -> bytes:
-    """launch.sh as shipped: what a start checks on disk."""
-    return r.script.encode()
-
-
-def unit_record(r: Rendered, content: dict[str, str | None] | None = None) -> dict[str, object]:
-    u = r.unit
-    return {
-        "unit": u.name,
-        "fingerprint": r.fingerprint,
-        "engine": u.engine,
-        "kind": u.kind,
-        "port": u.port,
-        "gpus": list(u.gpus),
-        "tp": u.tp,
-        "dp": u.dp,
-        "playbook": u.playbook.name,
-        "stop_grace": u.spec.stop_grace,
-        "stop_signal_to": "leader" if r.launch.stop_leader else "group",
-        "supervise": policy(u),
-        "content": content or {},
-        "deployed_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
-
-
-METRICS_ENGINES = ("sglang", "vllm", "stub")
-
-
-def probe_spec(r: Rendered, metrics: bool = False) -> ProbeSpec:
-    spec = r.unit.spec
-    bind = getattr(spec, "bind", "127.0.0.1")
-    return ProbeSpec(
-        name=r.unit.name,
-        host="127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind,
-        port=r.unit.port,
-        health_path=r.launch.health_path,
-        identity_paths=identity.identity_paths(r.unit.engine),
-        metrics_path="/metrics" if metrics and r.unit.engine in METRICS_ENGINES else None,
-        headers=auth_headers(r),
-    )
-
-
-def auth_headers(r: Rendered) -> dict[str, str]:
-    """The key of secret_args' api-key, from the controller's environment: probes never read
-    it from a file on the host (nor from the playbook, where pre-flight refuses it)."""
-    return secret_auth(r.unit, os.environ)
-
-
-def stopped_text(res: StopResult) -> str:
-    how = "SIGKILL after the grace period" if res.killed else "SIGTERM"
-    gpu = "; GPU memory released" if res.gpu_freed else ""
-    return f"pids {', '.join(map(str, res.pids))} by {how}{gpu}"
-
-
-def stop_problem(res: object) -> str:
-    if res is None:
-        return "no answer from the host"
-    held = getattr(res, "gpu_held", None)
-    if held:
-        return "GPU memory still held after stop: " + ", ".join(
-            f"GPU {h.gpu_index}: {h.used_mib} MiB by pid {h.pid}" for h in held
-        )
-    return str(getattr(res, "error", None) or "processes survived SIGKILL")
