@@ -29,7 +29,7 @@ from dflashops.agent import Agent  # noqa: E402
 from dflashops.config.inventory import Host  # noqa: E402
 from dflashops.config.load import load_inventory  # noqa: E402
 from dflashops.hosts.ssh import SshConnection  # noqa: E402
-from dflashops.run import on_hosts  # noqa: E402
+from dflashops.lifecycle.fleet import on_hosts  # noqa: E402
 
 
 def gather_all(hosts: list[Host], conns: dict[str, SshConnection]) -> float:

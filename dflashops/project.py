@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflashops import reads
+from dflashops.config import reads
 from dflashops.config.inventory import Inventory
 from dflashops.config.load import Playbook, load_inventory, load_playbook
 from dflashops.errors import ConfigError, DflashopsError, Problem

@@ -10,18 +10,18 @@ from typing import Any, TypedDict
 from rich.console import Console
 
 from dflashops.config.inventory import Host
+from dflashops.engines.render import Rendered
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
 from dflashops.hosts.base import BaseConnection
 from dflashops.hosts.inert import inert
+from dflashops.hosts.prewarm import Prewarm
 from dflashops.lifecycle.session import HostSession
-from dflashops.nodestate import NodeState
 from dflashops.output import escape
 from dflashops.plan import build_plan, targets, topo_order
+from dflashops.plan.nodestate import NodeState
 from dflashops.preflight import Report, run_preflight
-from dflashops.prewarm import Prewarm
 from dflashops.project import Selection, find_inventory, select, split_names
-from dflashops.render import Rendered
 
 
 @dataclass

@@ -17,10 +17,10 @@ from dflashops.config.inventory import Host
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
 from dflashops.lifecycle.deploy import HostRun
+from dflashops.lifecycle.fleet import on_hosts
 from dflashops.lifecycle.options import Options
 from dflashops.output import some
 from dflashops.project import split_names
-from dflashops.run import on_hosts
 
 
 def deploy(

@@ -9,13 +9,13 @@ from pathlib import Path
 from rich.console import Console
 
 from dflashops.agent import Agent
+from dflashops.agent.transfer import human, listing, pull
 from dflashops.config.load import load_inventory
 from dflashops.errors import DflashopsError
 from dflashops.hosts import connect
 from dflashops.hosts.inert import inert
 from dflashops.output import escape
 from dflashops.project import find_inventory, split_names
-from dflashops.transfer import human, listing, pull
 
 
 def fetch(

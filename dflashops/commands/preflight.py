@@ -22,7 +22,7 @@ from dflashops.output import escape, some
 from dflashops.preflight.report import Report, write_outputs
 
 if TYPE_CHECKING:
-    from dflashops.render import Rendered
+    from dflashops.engines.render import Rendered
 
 
 def preflight(
@@ -100,9 +100,9 @@ def render(
     out_dir: str | None = None,
 ) -> int:
     """Print the launch scripts, or write them to OUT_DIR/<host>/<unit>.sh for review."""
+    from dflashops.engines.render import render_plan, template_dirs
     from dflashops.plan import build_plan, topo_order
     from dflashops.project import find_inventory, select, split_names
-    from dflashops.render import render_plan, template_dirs
 
     selection = select(find_inventory(inventory), playbooks or [], split_names(hosts))
     plan = build_plan(selection.inventory, selection.playbooks, selection.hosts)

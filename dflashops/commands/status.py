@@ -10,19 +10,19 @@ from rich.console import Console
 from rich.table import Table
 
 from dflashops.agent.answers import HostFacts, UnitFacts, UnitProbe
+from dflashops.changes.orphans import Orphan
+from dflashops.changes.verdicts import health_text, probe_spec
 from dflashops.commands.common import prepare
 from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import Host
 from dflashops.engines import identity
+from dflashops.engines.metrics import Memory, Reading, shown
+from dflashops.engines.render import Rendered
 from dflashops.events import EventLog
 from dflashops.hosts.inert import inert
+from dflashops.lifecycle.fleet import on_hosts
 from dflashops.lifecycle.session import HostSession
-from dflashops.lifecycle.verdicts import health_text, probe_spec
-from dflashops.metrics import Memory, Reading, shown
-from dflashops.orphans import Orphan
 from dflashops.output import duration, escape
-from dflashops.render import Rendered
-from dflashops.run import on_hosts
 
 # -- status -------------------------------------------------------------------------------------
 

@@ -24,19 +24,19 @@ from rich.table import Table
 from rich.text import Text
 
 from dflashops.agent.answers import ProbeResult, UnitProbe
+from dflashops.changes.verdicts import probe_spec
 from dflashops.commands.common import Target, prepare
 from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import Host
 from dflashops.config.types import parse_duration
+from dflashops.engines.metrics import Memory, Reading, shown
+from dflashops.engines.render import Rendered
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
 from dflashops.hosts.inert import inert
+from dflashops.lifecycle.fleet import on_hosts
 from dflashops.lifecycle.session import HostSession
-from dflashops.lifecycle.verdicts import probe_spec
-from dflashops.metrics import Memory, Reading, shown
 from dflashops.output import duration, escape
-from dflashops.render import Rendered
-from dflashops.run import on_hosts
 
 SPARK = "▁▂▃▄▅▆▇█"
 HISTORY = 60

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from dflashops import reads
+from dflashops.config import reads
 from dflashops.errors import ConfigError, Problem
 
 PathKey = tuple[str | int, ...]

@@ -17,7 +17,7 @@ from typing import Any
 from dflashops.agent.answers import UnitProbe
 from dflashops.config.playbook import ModelService
 from dflashops.engines.protocol import protocol
-from dflashops.render import Rendered
+from dflashops.engines.render import Rendered
 
 Mismatch = tuple[str, str, str]  # field, expected, actual
 

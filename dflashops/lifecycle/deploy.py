@@ -19,22 +19,22 @@ from dataclasses import dataclass
 
 from dflashops.agent.answers import HostFacts
 from dflashops.agent.lock import take as hold_lock
-from dflashops.changes import Change, describe_state, plan_changes
-from dflashops.engines.secrets import files as secret_files
-from dflashops.hosts.inert import inert
-from dflashops.lifecycle.ready import Readiness
-from dflashops.lifecycle.stage import Stage
-from dflashops.lifecycle.verdicts import (
+from dflashops.changes.orphans import blocking, ways_out
+from dflashops.changes.units import Change, describe_state, plan_changes
+from dflashops.changes.verdicts import (
     launch_bytes,
     replica_batches,
     stop_problem,
     stopped_text,
     unit_record,
 )
-from dflashops.orphans import blocking, ways_out
+from dflashops.engines.render import Rendered
+from dflashops.engines.secrets import files as secret_files
+from dflashops.hosts.inert import inert
+from dflashops.lifecycle.ready import Readiness
+from dflashops.lifecycle.spans import span_of
+from dflashops.lifecycle.stage import Stage
 from dflashops.preflight.parsers import before_restart
-from dflashops.render import Rendered
-from dflashops.spans import span_of
 
 MEET_TIMEOUT = 120.0  # s a host waits for the other hosts of a unit to restart it together
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dflashops.errors import HostError
-from dflashops.spans import Spans
+from dflashops.lifecycle.spans import Spans
 
 Board = Callable[[str, str], None]  # host, text: the live progress line (no-op off a terminal)
 

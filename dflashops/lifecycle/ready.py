@@ -12,20 +12,20 @@ from contextlib import closing
 from dataclasses import dataclass, field
 
 from dflashops.agent.answers import UnitProbe
-from dflashops.changes import Change
-from dflashops.engines import identity
-from dflashops.lifecycle.options import Board, Interrupted, Options
-from dflashops.lifecycle.session import HostSession
-from dflashops.lifecycle.verdicts import (
+from dflashops.changes.units import Change
+from dflashops.changes.verdicts import (
     health_text,
     probe_spec,
     ready_settings,
     stop_problem,
     stopped_text,
 )
-from dflashops.render import Rendered
-from dflashops.spans import label, span_of
-from dflashops.supervision import restart_policy
+from dflashops.engines import identity
+from dflashops.engines.render import Rendered
+from dflashops.lifecycle.options import Board, Interrupted, Options
+from dflashops.lifecycle.session import HostSession
+from dflashops.lifecycle.spans import label, span_of
+from dflashops.plan.supervision import restart_policy
 
 POLL = 0.25  # s between readiness checks on the host (at most: a unit's interval may be less)
 REPORT_EVERY = 2.0  # s between the host's progress reports while it waits

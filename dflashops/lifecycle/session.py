@@ -12,15 +12,15 @@ from typing import Any
 
 from dflashops.agent import Agent
 from dflashops.agent.answers import HostFacts
+from dflashops.changes.orphans import Orphan, find
+from dflashops.changes.verdicts import probe_spec
 from dflashops.config.inventory import Host
+from dflashops.engines.render import Rendered
 from dflashops.errors import HostError
 from dflashops.events import EventLog
 from dflashops.hosts import connect
 from dflashops.hosts.base import BaseConnection
-from dflashops.lifecycle.verdicts import probe_spec
-from dflashops.nodestate import NodeState, local_scan
-from dflashops.orphans import Orphan, find
-from dflashops.render import Rendered
+from dflashops.plan.nodestate import NodeState, local_scan
 
 
 @dataclass

@@ -23,11 +23,11 @@ from typing import Any, Literal
 
 from dflashops.agent import Agent
 from dflashops.agent.answers import FileState, HostFacts, JobState
+from dflashops.agent.transfer import Transfer, diff, human, listing, pull, space_problem, upload
 from dflashops.cache import cache_dir
 from dflashops.errors import DflashopsError, HostError
 from dflashops.lifecycle.session import HostSession
-from dflashops.nodestate import EnvPlan, FilePlan, NodeState, local_scan
-from dflashops.transfer import Transfer, diff, human, listing, pull, space_problem, upload
+from dflashops.plan.nodestate import EnvPlan, FilePlan, NodeState, local_scan
 
 State = Literal["ok", "changed", "waiting", "failed"]
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")

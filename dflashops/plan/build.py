@@ -8,13 +8,13 @@ from dflashops.config.load import Playbook
 from dflashops.config.playbook import PlaybookFile
 from dflashops.config.yamlsource import PathKey
 from dflashops.errors import Problem
-from dflashops.nodestate import plan_node
 from dflashops.plan.checks import check_cycles, check_names, check_ports, check_vllm_dp
 from dflashops.plan.expand import expand_for_host
 from dflashops.plan.gpus import GpuAllocator
 from dflashops.plan.hosts import targets
 from dflashops.plan.links import link_jobs, link_node
 from dflashops.plan.model import HostPlan, Plan, Unit
+from dflashops.plan.nodestate import plan_node
 from dflashops.plan.units import job_units, service_units
 
 

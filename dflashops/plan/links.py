@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from dflashops.config.playbook import Job, ModelService
 from dflashops.errors import Problem
-from dflashops.nodestate import NodeState
 from dflashops.plan.model import Unit
+from dflashops.plan.nodestate import NodeState
 
 
 def link_node(units: list[Unit], node: NodeState, problems: list[Problem]) -> list[Unit]:

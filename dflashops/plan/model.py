@@ -12,7 +12,7 @@ from dflashops.config.load import Playbook
 from dflashops.config.playbook import CommandService, Job, ModelService
 from dflashops.config.yamlsource import PathKey
 from dflashops.errors import Problem
-from dflashops.nodestate import EnvPlan, NodeState
+from dflashops.plan.nodestate import EnvPlan, NodeState
 
 Spec = ModelService | CommandService | Job
 

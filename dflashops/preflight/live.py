@@ -14,20 +14,20 @@ from dataclasses import dataclass, field
 
 from dflashops.agent import Agent
 from dflashops.agent.answers import HostFacts
+from dflashops.agent.transfer import diff, human, listing, space_problem
 from dflashops.config.inventory import Host
 from dflashops.config.playbook import ModelService, VllmService
 from dflashops.engines import launch_for
 from dflashops.engines.base import HOST_PREFIX
 from dflashops.errors import HostError
 from dflashops.hosts import connect
+from dflashops.lifecycle.fleet import on_hosts
 from dflashops.lifecycle.session import envs_request, files_request
-from dflashops.nodestate import local_scan
 from dflashops.plan import HostPlan, Plan, Unit
+from dflashops.plan.nodestate import local_scan
 from dflashops.preflight import parsers
 from dflashops.preflight.offline import Check, Report
 from dflashops.preflight.parsers import Verdict
-from dflashops.run import on_hosts
-from dflashops.transfer import diff, human, listing, space_problem
 
 ENGINE_MODULES = {"sglang": "sglang", "vllm": "vllm"}
 MIN_FREE_BYTES = 1 << 30  # below this a deploy would fail on its first write

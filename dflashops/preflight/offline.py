@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflashops import reads
+from dflashops.config import reads
 from dflashops.engines.base import ShippedFile, known_flags
 from dflashops.engines.protocol import protocol
+from dflashops.engines.render import Rendered, render_units, template_dirs
 from dflashops.engines.secrets import looks_secret
 from dflashops.errors import Problem
 from dflashops.plan import Plan, Unit, build_plan
@@ -36,7 +37,6 @@ from dflashops.preflight.report import (
 )
 from dflashops.preflight.spread import cores, spread
 from dflashops.project import Selection
-from dflashops.render import Rendered, render_units, template_dirs
 
 __all__ = [
     "Check",

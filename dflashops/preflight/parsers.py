@@ -25,7 +25,7 @@ from pydantic import Field
 from dflashops.agent import Agent
 from dflashops.agent.answers import FactsModel
 from dflashops.agent.client import SLACK
-from dflashops.changes import Change
+from dflashops.changes.units import Change
 from dflashops.engines.base import BUILTINS_DIR, Launch, known_flags
 from dflashops.engines.secrets import checked_flags
 from dflashops.errors import HostError

@@ -14,8 +14,8 @@ from xml.etree import ElementTree as ET
 from dflashops.errors import Problem
 
 if TYPE_CHECKING:
+    from dflashops.engines.render import Rendered
     from dflashops.plan import Plan
-    from dflashops.render import Rendered
 
 Severity = Literal["error", "warning"]
 

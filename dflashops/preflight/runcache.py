@@ -10,7 +10,7 @@ Two parts make up what a run depends on:
   distributions (names and versions), bash's identity (bash_syntax.py), and dflashops' own
   code: the sha256 of every file of the package (its .py, its data such as the engines' flag
   lists, its templates). Its digest names the entry.
-- the facts the run itself recorded (dflashops/reads.py): the inventory, every playbook and
+- the facts the run itself recorded (dflashops/config/reads.py): the inventory, every playbook and
   the playbooks folder's listing, every template path looked up (misses too: an override
   added later beside a playbook is a change), every shipped file, environments' inputs,
   files entries' sources.
@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import dflashops
-from dflashops import reads
 from dflashops.cache import cache_dir, warn_once
+from dflashops.config import reads
 from dflashops.preflight.bash_syntax import bash_identity
 from dflashops.preflight.memo import key
 from dflashops.preflight.report import Check, Report

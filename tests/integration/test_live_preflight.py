@@ -16,7 +16,7 @@ from dflashops.agent import Agent
 from dflashops.cli import main
 from dflashops.config.load import load_inventory
 from dflashops.hosts.ssh import SshConnection
-from dflashops.run import on_hosts
+from dflashops.lifecycle.fleet import on_hosts
 
 
 def test_live_preflight_reports_every_host(

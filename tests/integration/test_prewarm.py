@@ -1,4 +1,4 @@
-"""Connections opened while pre-flight runs (dflashops/prewarm.py): a host that cannot be
+"""Connections opened while pre-flight runs (dflashops/hosts/prewarm.py): a host that cannot be
 reached is reported as before, the others deploy; a pre-flight that fails sends nothing and
 leaves no connection open."""
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from dflashops.agent.answers import HostFacts
-from dflashops.changes import Change, plan_changes, script_sha
+from dflashops.changes.units import Change, plan_changes, script_sha
 from dflashops.config.load import load_inventory, load_playbook
+from dflashops.engines.render import Rendered, render_plan
 from dflashops.plan import build_plan
-from dflashops.render import Rendered, render_plan
 
 INVENTORY = "hosts:\n  h: {address: 127.0.0.1, gpus: 4}\n"
 PLAYBOOK = """

@@ -32,11 +32,11 @@ from dflashops.config.playbook import (
     VllmService,
 )
 from dflashops.config.yamlsource import parse_yaml
+from dflashops.engines.render import render_plan, template_dirs
 from dflashops.errors import ConfigError, Problem
 from dflashops.plan import build_plan
 from dflashops.preflight.bash_syntax import bash_n, shape
 from dflashops.preflight.offline import bash_syntax, engine_flags
-from dflashops.render import render_plan, template_dirs
 
 MODELS = [
     InventoryFile,

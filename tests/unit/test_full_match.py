@@ -15,7 +15,7 @@ from dflashops.config.inventory import Notify
 from dflashops.config.nodestate import Environment, FileEntry
 from dflashops.config.playbook import _check_args
 from dflashops.config.types import Address, EnvName, Name, NetIf, User
-from dflashops.render import TemplateError, env_name
+from dflashops.engines.render import TemplateError, env_name
 
 
 def adapter(kind: Any) -> Callable[[str], object]:

@@ -8,8 +8,8 @@ from typing import Any
 from dflashops.agent.answers import UnitProbe
 from dflashops.config.load import load_inventory, load_playbook
 from dflashops.engines import identity
+from dflashops.engines.render import Rendered, render_plan
 from dflashops.plan import build_plan
-from dflashops.render import Rendered, render_plan
 from tests.conftest import WriteTree
 
 PLAYBOOK = """
@@ -106,7 +106,7 @@ def test_the_probe_reads_vllms_own_args_from_the_log(tmp_path: Path) -> None:
 
 
 def test_metrics_of_both_engines_and_of_a_server_without_them() -> None:
-    from dflashops.metrics import Memory, parse, shown
+    from dflashops.engines.metrics import Memory, parse, shown
 
     sglang = (
         '# TYPE sglang:gen_throughput gauge\nsglang:gen_throughput{model_name="m"} 234.5\n'

@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "dflashops"
-EXECUTOR = ("dflashops.lifecycle.deploy", "dflashops.lifecycle.stage", "dflashops.transfer")
+EXECUTOR = ("dflashops.lifecycle.deploy", "dflashops.lifecycle.stage", "dflashops.agent.transfer")
 
 
 def test_read_only_commands_never_load_the_deploy_executor() -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
+from dflashops.changes.verdicts import unit_record
 from dflashops.config.types import Size
-from dflashops.lifecycle.verdicts import unit_record
 from tests.conftest import WriteTree
 from tests.unit.test_render import render
 

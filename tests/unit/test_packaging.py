@@ -59,7 +59,7 @@ def test_installed_from_the_wheel_it_renders_with_its_own_templates(
     zipfile.ZipFile(wheel).extractall(site)
     code = (
         "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "from dflashops.render import builtin_templates, make_environment\n"
+        "from dflashops.engines.render import builtin_templates, make_environment\n"
         "print(builtin_templates())\n"
         "make_environment([]).get_template('sglang.sh.j2')\n"
     )

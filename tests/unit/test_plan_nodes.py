@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dflashops.config.load import load_inventory, load_playbook
 from dflashops.engines import launch_for
+from dflashops.engines.render import make_environment, render_unit
 from dflashops.plan import Plan, build_plan
-from dflashops.render import make_environment, render_unit
 from tests.conftest import WriteTree
 
 INVENTORY = """

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 import dflashops
-from dflashops import metrics
 from dflashops.config.playbook import PlaybookFile
-from dflashops.engines import identity
+from dflashops.engines import identity, metrics
 from dflashops.engines.protocol import DEFAULT_PORTS, MODEL_ENGINES, protocol
 
 PACKAGE = Path(dflashops.__file__).parent

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 import dflashops
-from dflashops import cache, reads
+from dflashops import cache
+from dflashops.config import reads
 from dflashops.preflight import offline, runcache
 from dflashops.preflight.report import Report
 from tests.conftest import REPO, run_cli

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dflashops import reads
+from dflashops.config import reads
 from dflashops.preflight import offline, spread
 from dflashops.preflight.report import to_json, to_junit
 from dflashops.project import select

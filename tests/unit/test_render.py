@@ -10,8 +10,8 @@ import pytest
 from jinja2 import TemplateError
 
 from dflashops.config.load import load_inventory, load_playbook
+from dflashops.engines.render import Rendered, make_environment, render_plan, template_dirs
 from dflashops.plan import build_plan
-from dflashops.render import Rendered, make_environment, render_plan, template_dirs
 from tests.conftest import WriteTree
 
 INVENTORY = "hosts:\n  h: {address: 127.0.0.1, gpus: 4, python: /usr/bin/python3, env: {HOST_WIDE: 'yes'}}\n"

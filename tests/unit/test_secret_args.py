@@ -14,11 +14,11 @@ import yaml
 from rich.console import Console
 
 from dflashops.agent.remote import supervisor
+from dflashops.changes.verdicts import auth_headers, unit_record
 from dflashops.config.load import load_playbook
 from dflashops.engines import secrets
 from dflashops.errors import ConfigError
 from dflashops.events import EventLog
-from dflashops.lifecycle.verdicts import auth_headers, unit_record
 from tests.conftest import WriteTree
 from tests.fakes import harness
 from tests.unit.test_render import render, run_script
@@ -172,8 +172,8 @@ def test_a_config_arg_and_secret_args_cannot_share_the_engines_one_config_file(
     write_tree: WriteTree,
 ) -> None:
     from dflashops.config.load import load_inventory
+    from dflashops.engines.render import render_plan
     from dflashops.plan import build_plan
-    from dflashops.render import render_plan
     from tests.unit.test_render import INVENTORY
 
     root = write_tree(

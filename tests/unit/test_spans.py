@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from dflashops.spans import Spans
+from dflashops.lifecycle.spans import Spans
 
 
 def test_settle_waits_for_the_other_hosts_still_on_the_span_and_sees_their_failure() -> None:

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from dflashops.agent import Agent
 from dflashops.agent.reading import Frames
 from dflashops.agent.remote import tree
+from dflashops.agent.transfer import listing, pull
 from dflashops.engines.identity import vllm_args
 from dflashops.errors import DflashopsError, TransferError
 from dflashops.hosts.inert import inert
@@ -31,7 +32,6 @@ from dflashops.hosts.untrusted import (
     loads,
     path_problem,
 )
-from dflashops.transfer import listing, pull
 from tests.hostile import hostile_python
 
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")

@@ -16,7 +16,7 @@ import pytest
 from dflashops.agent.client import Frames
 from dflashops.agent.remote import receive, tree
 from dflashops.agent.remote.common import BadRequest
-from dflashops.transfer import diff, listing
+from dflashops.agent.transfer import diff, listing
 
 
 def sha(data: bytes) -> str:

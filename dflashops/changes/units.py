@@ -18,7 +18,7 @@ from typing import Literal
 from dflashops.agent.answers import HostFacts, UnitFacts
 from dflashops.config.playbook import Job
 from dflashops.engines.base import ShippedFile
-from dflashops.render import Rendered
+from dflashops.engines.render import Rendered
 
 Action = Literal["ok", "ship", "start", "restart"]
 

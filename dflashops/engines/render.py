@@ -26,7 +26,8 @@ from jinja2 import (
 )
 from jinja2.loaders import split_template_path
 
-from dflashops import __version__, reads
+from dflashops import __version__
+from dflashops.config import reads
 from dflashops.engines import launch_for
 from dflashops.engines.base import (
     BesideTool,
@@ -43,7 +44,7 @@ from dflashops.engines.secrets import ARGS_FILE, CONFIG_FILE
 from dflashops.errors import Problem
 from dflashops.hosts.connection import host_word
 from dflashops.plan import Plan, Unit
-from dflashops.supervision import policy
+from dflashops.plan.supervision import policy
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -130,7 +131,7 @@ def builtin_templates() -> Path:
     """The built-in templates: the repo's top-level templates/ in a source checkout (and an
     editable install), dflashops/templates/ in an installed wheel (pyproject maps one onto the
     other: there is one copy)."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent  # the package (this file is in engines/)
     for candidate in (here / "templates", here.parent / "templates"):
         if (candidate / "_unit.sh.j2").is_file():
             return candidate
@@ -140,7 +141,7 @@ def builtin_templates() -> Path:
 
 
 class _Loader(FileSystemLoader):
-    """Jinja's FileSystemLoader that tells a recording run (dflashops.reads) every path it
+    """Jinja's FileSystemLoader that tells a recording run (dflashops.config.reads) every path it
     looks at for a template, found or not: an override added later beside a playbook must read
     as a change, as must an edit of the built-in it shadows."""
 

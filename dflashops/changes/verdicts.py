@@ -9,13 +9,13 @@ import os
 from datetime import datetime, timezone
 
 from dflashops.agent.answers import ProbeSpec, StopResult, UnitProbe
-from dflashops.changes import Change
+from dflashops.changes.units import Change
 from dflashops.config.playbook import Job, Ready
 from dflashops.engines import identity
+from dflashops.engines.render import Rendered
 from dflashops.engines.secrets import auth_headers as secret_auth
-from dflashops.render import Rendered
-from dflashops.spans import span_of
-from dflashops.supervision import policy
+from dflashops.lifecycle.spans import span_of
+from dflashops.plan.supervision import policy
 
 
 def replica_batches(changes: list[Change]) -> list[list[Change]]:
