@@ -8,6 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from dflashops.agent.remote import layout
+
 
 class FactsModel(BaseModel):
     """Strict (no coercion between JSON types), frozen; unknown keys from newer payloads ignored."""
@@ -102,6 +104,7 @@ class PathCheck(FactsModel):
 class UnitRecord(FactsModel):
     """units/<unit>/unit.json, written at deploy."""
 
+    unit_schema: int | None = None  # layout.UNIT_SCHEMA when written; None: written before it
     unit: str | None = None
     fingerprint: str | None = None
     engine: str | None = None
@@ -183,11 +186,11 @@ class LogFacts(FactsModel):
 
 # (field, model, error field, file name) for the per-unit records the payload reads as raw JSON.
 _RECORDS: tuple[tuple[str, type[FactsModel], str, str], ...] = (
-    ("unit", UnitRecord, "unit_error", "unit.json"),
-    ("pid", PidRecord, "pid_error", "pid"),
-    ("exit", ExitRecord, "exit_error", "exit"),
-    ("stopped", StoppedRecord, "stopped_error", "stopped"),
-    ("supervisor", SupervisorState, "supervisor_error", "supervisor.json"),
+    ("unit", UnitRecord, "unit_error", layout.UNIT_RECORD),
+    ("pid", PidRecord, "pid_error", layout.PID),
+    ("exit", ExitRecord, "exit_error", layout.EXIT),
+    ("stopped", StoppedRecord, "stopped_error", layout.STOPPED),
+    ("supervisor", SupervisorState, "supervisor_error", layout.SUPERVISOR),
 )
 
 

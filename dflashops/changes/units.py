@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dflashops.agent.answers import HostFacts, UnitFacts
+from dflashops.agent.remote import layout
 from dflashops.config.playbook import Job
 from dflashops.engines.base import ShippedFile
 from dflashops.engines.render import Rendered
@@ -110,7 +111,9 @@ def plan_changes(
 def _change(r: Rendered, facts: HostFacts, rerun: bool, content: dict[str, str | None]) -> Change:
     uf = facts.unit(r.unit.name)
     missing = [
-        f for f in r.files if not facts.has_payload(f.remote.removeprefix("payloads/"), f.sha256)
+        f
+        for f in r.files
+        if not facts.has_payload(f.remote.removeprefix(f"{layout.PAYLOADS}/"), f.sha256)
     ]
     old = uf.fingerprint if uf else None
     same = old == r.fingerprint

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflashops.agent.remote import layout
 from dflashops.errors import Problem
 
 BUILTINS_DIR = Path(__file__).resolve().parent.parent / "builtins"
@@ -28,7 +29,7 @@ class ShippedFile:
     @property
     def remote(self) -> str:
         """Path relative to the host's workdir; the hash in it makes every version distinct."""
-        return f"payloads/{self.sha256[:16]}/{self.name}"
+        return layout.payload(self.sha256, self.name)
 
     @classmethod
     def of(cls, path: Path) -> ShippedFile:

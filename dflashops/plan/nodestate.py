@@ -19,7 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from dflashops.agent.remote import tree
+from dflashops.agent.remote import layout, tree
 from dflashops.cache import cache_dir, warn_once
 from dflashops.config.inventory import Host, Inventory
 from dflashops.config.load import Playbook
@@ -86,7 +86,7 @@ class EnvPlan:
         return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
     def inputs_dir(self, workdir: str) -> str:
-        return f"{workdir}/envs/{self.name}/inputs-{self.hash[:16]}"
+        return f"{layout.env_dir(workdir, self.name)}/inputs-{self.hash[:16]}"
 
     def problem(self, message: str, *path: str | int) -> Problem:
         return self.playbook.doc.problem(

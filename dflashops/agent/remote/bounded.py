@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from . import tree
+from . import layout, tree
 
 PRUNED_KEEP = 10  # stopped units' folders (logs included) kept in units/.pruned/
 AGENT_COPIES_KEEP = 4  # agent versions kept in WORKDIR/agent/ beside those running
@@ -28,7 +28,7 @@ def prune_pruned(workdir: str, keep: int = PRUNED_KEEP) -> list[str]:
     cleanly stopped unit lands there (stop moves it), so nothing of it runs."""
     import shutil
 
-    folder = os.path.join(workdir, "units", ".pruned")
+    folder = os.path.join(workdir, layout.UNITS, layout.PRUNED)
     try:
         names = [e.name for e in os.scandir(folder) if e.is_dir(follow_symlinks=False)]
     except OSError:

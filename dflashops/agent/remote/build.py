@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 
+from . import layout
 from .common import (
     TMP_MARK,
     BadRequest,
@@ -338,7 +339,7 @@ def build(spec: Json, timeout: float, workdir: str) -> Json:
         )
         return out
     builds = path + ".builds"
-    logs = os.path.join(workdir, "envs", spec["name"])
+    logs = os.path.join(workdir, layout.ENVS, spec["name"])
     os.makedirs(logs, exist_ok=True)
     out["log"] = os.path.join(logs, f"{key}.log")
     try:

@@ -133,10 +133,6 @@ def which(name: str) -> str | None:
     return None
 
 
-def unit_dir(workdir: str, name: str) -> str:
-    return os.path.join(workdir, "units", name)
-
-
 def number(value: Any, what: str, minimum: float = 0.0) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < minimum:
         raise BadRequest(f"{what} must be a number >= {minimum:g}")

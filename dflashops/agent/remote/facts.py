@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 
-from . import gpu, logs, ownership, probe, procfs, tree
+from . import gpu, layout, logs, ownership, probe, procfs, tree
 from .common import (
     TMP_MARK,
     BadRequest,
@@ -56,11 +56,11 @@ IMPORT_CODE = (
     "print('\\n" + VERSION_MARK + "' + (v if isinstance(v, str) else str(v)))\n"
 )
 RECORDS = (
-    ("unit", "unit.json"),
-    ("pid", "pid"),
-    ("exit", "exit"),
-    ("stopped", "stopped"),
-    ("supervisor", "supervisor.json"),
+    ("unit", layout.UNIT_RECORD),
+    ("pid", layout.PID),
+    ("exit", layout.EXIT),
+    ("stopped", layout.STOPPED),
+    ("supervisor", layout.SUPERVISOR),
     ("crashed", "crashed"),
 )
 
@@ -170,7 +170,7 @@ def gather_imports(wanted: list[tuple[str, str, str]], timeout: float) -> dict[s
 def read_unit(name: str, unit_dir: str) -> Json:
     unit: Json = {"name": name}
     try:
-        unit["script_sha256"] = sha256_file(os.path.join(unit_dir, "launch.sh"))
+        unit["script_sha256"] = sha256_file(os.path.join(unit_dir, layout.LAUNCH))
     except FileNotFoundError:
         unit["script_sha256"] = None
     except OSError as exc:
@@ -183,7 +183,7 @@ def read_unit(name: str, unit_dir: str) -> Json:
             unit[key] = None
             unit[key + "_error"] = f"{filename}: {exc}"
     try:
-        unit["progress"] = read_json_object(os.path.join(unit_dir, "progress.json"), PROGRESS_MAX)
+        unit["progress"] = read_json_object(os.path.join(unit_dir, layout.PROGRESS), PROGRESS_MAX)
     except (OSError, ValueError) as exc:
         unit["progress"] = None
         unit["progress_error"] = f"progress.json: {exc}"
@@ -194,7 +194,7 @@ def read_unit(name: str, unit_dir: str) -> Json:
 def read_units(workdir: str, errors: Json) -> tuple[dict[str, Json], Records]:
     """Every unit folder's files and pid record (processes come from the one /proc pass)."""
     try:
-        entries = sorted(os.scandir(os.path.join(workdir, "units")), key=lambda e: e.name)
+        entries = sorted(os.scandir(os.path.join(workdir, layout.UNITS)), key=lambda e: e.name)
     except FileNotFoundError:
         return {}, {}
     units: dict[str, Json] = {}
@@ -206,7 +206,7 @@ def read_units(workdir: str, errors: Json) -> tuple[dict[str, Json], Records]:
             units[entry.name] = read_unit(entry.name, entry.path)
             records[entry.name] = ownership.load_record(entry.path)
         except Exception as exc:  # one odd unit must not hide the others
-            errors[f"units/{entry.name}"] = describe(exc)
+            errors[f"{layout.UNITS}/{entry.name}"] = describe(exc)
     return units, records
 
 
@@ -254,7 +254,7 @@ def attach_processes(
 
 
 def read_payloads(workdir: str) -> dict[str, str]:
-    root = os.path.join(workdir, "payloads")
+    root = os.path.join(workdir, layout.PAYLOADS)
     out: dict[str, str] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -314,20 +314,17 @@ def path_checks(paths: list[str]) -> dict[str, Json]:
 # -------------------------------------------------------------------------------------------
 
 
-def run(request: Json) -> Json:
-    started = time.monotonic()
-    errors: Json = {}
-    workdir = request["workdir"]
+def start_slow(request: Json, errors: Json, units: Json, records: Json, boot: Any) -> Any:
+    """The slow parts (nvidia-smi, imports) in threads while the caller reads /proc and files:
+    ``(slow, threads)``, ``slow`` filled in when the threads are joined."""
+    import threading
+
     imports = [(m, m, sys.executable) for m in dict.fromkeys(request["imports"])]
     imports += [
         (f"{e['env']}/{e['module']}", str(e["module"]), os.path.expanduser(str(e["python"])))
         for e in request["env_imports"]
     ]
     import_timeout, smi_timeout = request["import_timeout"], request["nvidia_smi_timeout"]
-
-    # The slow parts (nvidia-smi, imports) run in threads while this one reads /proc and files.
-    import threading
-
     slow: Json = {"gpus": gpu.empty("nvidia-smi not found"), "imports": {}}
 
     def gpus_job() -> None:
@@ -338,8 +335,6 @@ def run(request: Json) -> Json:
             errors, "imports", {}, lambda: gather_imports(imports, import_timeout)
         )
 
-    boot = procfs.boot_id()
-    units, records = section(errors, "units", ({}, {}), lambda: read_units(workdir, errors))
     settled = request["settled"]
     threads = []
     if settled is not None and section(
@@ -352,7 +347,10 @@ def run(request: Json) -> Json:
         threads.append(threading.Thread(target=imports_job, daemon=True))
     for t in threads:
         t.start()
+    return slow, threads
 
+
+def basics(workdir: str, boot: Any, errors: Json) -> Json:
     uptime = first_line("/proc/uptime")
     facts: Json = {
         "hostname": socket.gethostname(),
@@ -368,6 +366,17 @@ def run(request: Json) -> Json:
     facts["disk"] = section(errors, "disk", None, lambda: tree.free_bytes(workdir))
     # Network interfaces, for a multi-node unit's net_if (NCCL_SOCKET_IFNAME must name one).
     facts["interfaces"] = section(errors, "interfaces", [], lambda: sorted(os.listdir(NET)))
+    return facts
+
+
+def run(request: Json) -> Json:
+    started = time.monotonic()
+    errors: Json = {}
+    workdir = request["workdir"]
+    boot = procfs.boot_id()
+    units, records = section(errors, "units", ({}, {}), lambda: read_units(workdir, errors))
+    slow, threads = start_slow(request, errors, units, records, boot)
+    facts = basics(workdir, boot, errors)
     listening = section(errors, "listening", [], procfs.listeners)
     # Whose sockets these are costs a readlink per open fd of every process: only for the ports
     # asked about (what the plan will use) and those the units' records name (orphans).
@@ -406,7 +415,7 @@ def run(request: Json) -> Json:
     facts["files"] = section(errors, "files", {}, lambda: file_states(workdir, request["files"]))
     facts["envs"] = section(errors, "envs", {}, lambda: env_states(request["envs"]))
     facts["tools"] = {name: which(name) for name in ("uv", "hf")}
-    notify = os.path.join(workdir, "notify.json")
+    notify = os.path.join(workdir, layout.NOTIFY)
     facts["notify_sha256"] = sha256_file(notify) if os.path.isfile(notify) else None
     for t in threads:
         t.join()

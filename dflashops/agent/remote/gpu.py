@@ -9,6 +9,7 @@ from .common import Json, describe, which
 
 TYPE_CHECKING = False  # see common.py
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from typing import Any
 
 NA_VALUES = ("", "[n/a]", "n/a", "[not supported]", "not supported", "[unknown error]")
@@ -66,6 +67,15 @@ def skipped() -> Json:
     return {**empty("not gathered: nothing here is to start"), "skipped": True}
 
 
+def numbered(table: list[list[str]], width: int) -> Iterator[tuple[int, str, list[str]]]:
+    """(first cell as a number, GPU uuid, the cells) of each well-formed row of an nvidia-smi
+    CSV answer: rows too short or without a number first are skipped."""
+    for cells in table:
+        first = parse_int(cells[0]) if len(cells) >= width else None
+        if first is not None:
+            yield first, na_str(cells[1]) or "", cells
+
+
 def gather(timeout: float, exe: str | None = None) -> Json:
     """{available, error, devices [{index, uuid, name, memory_used_mib, memory_total_mib,
     utilization_pct}], processes [{pid, gpu_uuid, gpu_index, used_mib, process_name}]}.
@@ -93,11 +103,7 @@ def gather(timeout: float, exe: str | None = None) -> Json:
         one("apps", APPS_QUERY)
     result = empty(None)
     by_uuid: dict[str, int] = {}
-    for cells in got.get("gpu", []):
-        index = parse_int(cells[0]) if len(cells) >= 6 else None
-        if index is None:
-            continue
-        uuid = na_str(cells[1]) or ""
+    for index, uuid, cells in numbered(got.get("gpu", []), 6):
         result["devices"].append(
             {
                 "index": index,
@@ -113,11 +119,7 @@ def gather(timeout: float, exe: str | None = None) -> Json:
     if "apps" in errors:
         result["error"] = "compute-apps query: " + errors["apps"]
         return result
-    for cells in got.get("apps", []):
-        pid = parse_int(cells[0]) if len(cells) >= 4 else None
-        if pid is None:
-            continue
-        uuid = na_str(cells[1]) or ""
+    for pid, uuid, cells in numbered(got.get("apps", []), 4):
         result["processes"].append(
             {
                 "pid": pid,

@@ -23,7 +23,7 @@ import os
 import signal
 import time
 
-from . import procfs
+from . import layout, procfs
 from .common import (
     BadRequest,
     Json,
@@ -36,8 +36,8 @@ from .common import (
     write_json_atomic,
 )
 
-LOCK_FILE = "deploy.lock"
-HOLDER_FILE = "deploy.holder.json"
+LOCK_FILE = layout.DEPLOY_LOCK
+HOLDER_FILE = layout.LOCK_HOLDER
 AGENT_MARK = "<dflashops-agent>"  # in every agent's command line (bundle.LOADER)
 OPS = ("acquire", "show", "release")
 HOLDER_KEYS = ("who", "command", "controller_pid")

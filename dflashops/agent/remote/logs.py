@@ -7,6 +7,7 @@ import os
 import re
 import time
 
+from . import layout
 from .common import TMP_MARK, Json, remove
 
 LOG_RE = re.compile(r"^(\d{8}T\d{6}Z)(?:-(\d+))?\.log$")
@@ -41,10 +42,10 @@ def open_new(log_dir: str) -> tuple[str, int]:
 
 def point_current(log_dir: str, name: str) -> None:
     """current.log -> name, atomically. A regular file in its place (not ours) is kept aside."""
-    current = os.path.join(log_dir, "current.log")
+    current = os.path.join(log_dir, layout.CURRENT_LOG)
     if os.path.lexists(current) and not os.path.islink(current):
-        os.replace(current, os.path.join(log_dir, f"current.log.{int(time.time())}.kept"))
-    tmp = os.path.join(log_dir, f".current.log{TMP_MARK}{os.getpid()}")
+        os.replace(current, os.path.join(log_dir, f"{layout.CURRENT_LOG}.{int(time.time())}.kept"))
+    tmp = os.path.join(log_dir, f".{layout.CURRENT_LOG}{TMP_MARK}{os.getpid()}")
     remove(tmp)
     os.symlink(name, tmp)
     os.replace(tmp, current)
@@ -70,7 +71,7 @@ def rotate(log_dir: str, keep: int, current: str) -> list[str]:
 
 def new_log(unit_dir: str, keep: int) -> tuple[str, int]:
     """A fresh log for a start, pointed at by current.log, old ones rotated: (name, fd)."""
-    log_dir = os.path.join(unit_dir, "logs")
+    log_dir = os.path.join(unit_dir, layout.LOGS)
     name, fd = open_new(log_dir)
     try:
         point_current(log_dir, name)
@@ -83,27 +84,29 @@ def new_log(unit_dir: str, keep: int) -> tuple[str, int]:
 
 def current(unit_dir: str) -> tuple[str | None, str | None]:
     """('logs/<name>', absolute path) of what current.log points at, or (None, None)."""
-    log_dir = os.path.join(unit_dir, "logs")
-    link = os.path.join(log_dir, "current.log")
+    log_dir = os.path.join(unit_dir, layout.LOGS)
+    link = os.path.join(log_dir, layout.CURRENT_LOG)
     try:
         target = os.readlink(link)
     except FileNotFoundError:
         return None, None
     except OSError:  # not a symlink: a plain file under that name
-        return ("logs/current.log", link) if os.path.isfile(link) else (None, None)
+        return (
+            (f"{layout.LOGS}/{layout.CURRENT_LOG}", link) if os.path.isfile(link) else (None, None)
+        )
     name = os.path.basename(target)
-    return f"logs/{name}", os.path.join(log_dir, name)
+    return f"{layout.LOGS}/{name}", os.path.join(log_dir, name)
 
 
 def summary(unit_dir: str) -> Json:
     """{count, current, current_size, current_mtime} for facts."""
     out: Json = {"count": 0, "current": None, "current_size": None, "current_mtime": None}
     try:
-        entries = list(os.scandir(os.path.join(unit_dir, "logs")))
+        entries = list(os.scandir(os.path.join(unit_dir, layout.LOGS)))
     except OSError:
         return out
     for entry in entries:
-        if entry.name == "current.log":
+        if entry.name == layout.CURRENT_LOG:
             try:
                 out["current"] = os.readlink(entry.path) if entry.is_symlink() else entry.name
                 st = os.stat(entry.path)

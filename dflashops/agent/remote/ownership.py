@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 
+from . import layout
 from .common import Json, describe, is_int, read_json_object
 from .procfs import DEAD, PGRP, START_TIME, STATE, cmdline, has_env, proc_stat, scan
 
@@ -60,7 +61,7 @@ class Record:
 def load_record(unit_dir: str) -> tuple[Record | None, str | None]:
     """(record, None); (None, None) when there is no pid file; (None, reason) when unusable."""
     try:
-        raw = read_json_object(os.path.join(unit_dir, "pid"))
+        raw = read_json_object(os.path.join(unit_dir, layout.PID))
     except (OSError, ValueError) as exc:
         return None, f"pid record unreadable: {exc}"
     if raw is None:

@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from . import gpu, logs, ownership, procfs, web
+from . import gpu, layout, logs, ownership, procfs, web
 from .common import (
     BadRequest,
     Json,
@@ -24,7 +24,6 @@ from .common import (
     integer,
     number,
     read_json_object,
-    unit_dir,
     unit_list,
 )
 
@@ -34,12 +33,12 @@ if TYPE_CHECKING:
 
 BODY_MAX = 256 * 1024  # identity answers
 RECORDS = (
-    ("exit", "exit"),
-    ("stopped", "stopped"),
+    ("exit", layout.EXIT),
+    ("stopped", layout.STOPPED),
     ("crashed", "crashed"),
-    ("supervisor", "supervisor.json"),
-    ("progress", "progress.json"),
-    ("pid_record", "pid"),
+    ("supervisor", layout.SUPERVISOR),
+    ("progress", layout.PROGRESS),
+    ("pid_record", layout.PID),
 )
 METRICS_MAX = 2 * 1024 * 1024
 
@@ -206,7 +205,7 @@ def probe_units(
     for t in threads:
         t.start()
     units: Json = {}
-    folders = {s["name"]: unit_dir(workdir, s["name"]) for s in specs}
+    folders = {s["name"]: layout.unit_dir(workdir, s["name"]) for s in specs}
     records: dict[str, tuple[Any, Any]] = {}
     for name, folder in folders.items():
         try:

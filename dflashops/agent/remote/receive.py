@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import time
 
 from . import bounded, tree
 from .common import BadRequest, Json, describe, host_path, integer, remove
+from .verified import CHUNK, Signals, copy_in, mismatch
 
 TYPE_CHECKING = False  # see common.py
 if TYPE_CHECKING:
-    from typing import Any, BinaryIO
-
-CHUNK = 1 << 20
+    from typing import BinaryIO
 
 
 class Interrupted(Exception):
@@ -100,35 +98,27 @@ def receive_one(folders: Folders, f: Json, src: BinaryIO) -> str | None:
     flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if have else os.O_TRUNC)
     fd = os.open(part, flags, f["mode"])
     try:
-        while left:
-            chunk = src.read(min(left, CHUNK))
-            if not chunk:
-                raise Interrupted(f"input ended {left} bytes early in {f['rel'] or path}")
-            os.write(fd, chunk)
-            digest.update(chunk)
-            left -= len(chunk)
+        missing = copy_in(src, lambda chunk: os.write(fd, chunk), left, digest)
+        if missing:
+            raise Interrupted(f"input ended {missing} bytes early in {f['rel'] or path}")
         if f["mode"] & folders.umask:
             os.fchmod(fd, f["mode"])  # the umask narrowed it
     finally:
         os.close(fd)
-    got = digest.hexdigest()
-    if got != f["sha256"]:
+    why = mismatch(digest, f["sha256"])
+    if why:
         remove(part)
-        return f"sha256 mismatch on the host: got {got}, sent {f['sha256']}"
+        return why
     os.replace(part, path)
     return None
 
 
 def run(request: Json, stdin: BinaryIO) -> Json:
-    interrupted: list[int] = []
+    with Signals(Interrupted) as signals:
+        return receive_all(request, stdin, signals)
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        if not interrupted:  # raise once: a second signal must not abort the cleanup
-            interrupted.append(signum)
-            raise Interrupted(f"interrupted by signal {signum}")
 
-    for signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
+def receive_all(request: Json, stdin: BinaryIO, signals: Signals) -> Json:
     started = time.monotonic()
     root = request["dest"]
     out: Json = {"ok": False, "written": [], "failed": {}, "deleted": [], "digest": None}
@@ -162,7 +152,7 @@ def run(request: Json, stdin: BinaryIO) -> Json:
     except (OSError, BadRequest) as exc:
         out["error"] = f"writing under {root} failed (disk full?): {describe(exc)}"
     finally:
-        interrupted.append(0)
+        signals.quiet()
         # What arrived was hashed on the way in: the manifest learns it without reading it
         # (the next facts walks dest for real, and sees anything else that is there).
         sha = {f["rel"]: f["sha256"] for f in request["files"]}

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 
-from . import ownership, procfs, tree
-from .common import BadRequest, Json, host_path, read_json_object, unit_dir, unit_name
+from . import layout, ownership, procfs, tree
+from .common import BadRequest, Json, host_path, read_json_object, unit_name
 
 
 def check(request: Json) -> None:
@@ -25,12 +25,16 @@ def check(request: Json) -> None:
 
 def job_state(workdir: str, name: str) -> Json:
     """never | running | done | failed | stopped, from the unit's own records."""
-    folder = unit_dir(workdir, name)
+    folder = layout.unit_dir(workdir, name)
     out: Json = {"state": "never", "exit": None, "progress": None}
     if not os.path.isdir(folder):
         return out
     records = {}
-    for key, filename in (("exit", "exit"), ("stopped", "stopped"), ("progress", "progress.json")):
+    for key, filename in (
+        ("exit", layout.EXIT),
+        ("stopped", layout.STOPPED),
+        ("progress", layout.PROGRESS),
+    ):
         try:
             records[key] = read_json_object(os.path.join(folder, filename))
         except (OSError, ValueError):

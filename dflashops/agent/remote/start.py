@@ -25,7 +25,7 @@ import re
 import sys
 from collections.abc import Iterator
 
-from . import bounded, logs, ownership, procfs
+from . import bounded, layout, logs, ownership, procfs
 from .common import (
     BadRequest,
     Json,
@@ -34,7 +34,6 @@ from .common import (
     now_iso,
     remove,
     sha256_file,
-    unit_dir,
     unit_list,
     write_atomic,
     write_json_atomic,
@@ -107,7 +106,14 @@ def spawn(folder: str, agent: str, keep_logs: int, boot: str) -> Json:
     import subprocess
 
     # A new start: the previous run's outcome, stop request and restart history go with it.
-    for stale in ("exit", "stopped", "progress.json", STOP_MARK, "crashed", "supervisor.json"):
+    for stale in (
+        layout.EXIT,
+        layout.STOPPED,
+        layout.PROGRESS,
+        STOP_MARK,
+        "crashed",
+        layout.SUPERVISOR,
+    ):
         remove(os.path.join(folder, stale))
     log_name, fd = logs.new_log(folder, keep_logs)
     # Every process of this start inherits the run id: proof of membership for stop when the
@@ -141,10 +147,10 @@ def spawn(folder: str, agent: str, keep_logs: int, boot: str) -> Json:
         "start_time": int(stat[procfs.START_TIME]),
         "boot_id": boot,
         "started_at": now_iso(),
-        "log": f"logs/{log_name}",
+        "log": f"{layout.LOGS}/{log_name}",
         "run_id": run_id,
     }
-    write_json_atomic(os.path.join(folder, "pid"), record)
+    write_json_atomic(os.path.join(folder, layout.PID), record)
     return record
 
 
@@ -225,9 +231,9 @@ def name_process(name: str) -> None:
 def start_one(workdir: str, spec: Json, boot: str | None, agent: str) -> Json:
     out: Json = dict.fromkeys(RESULT_KEYS)
     out.update(name=spec["name"], ok=False)
-    folder = unit_dir(workdir, spec["name"])
-    if not os.path.isfile(os.path.join(folder, "launch.sh")):
-        out["error"] = f"launch.sh missing: {os.path.join(folder, 'launch.sh')}"
+    folder = layout.unit_dir(workdir, spec["name"])
+    if not os.path.isfile(os.path.join(folder, layout.LAUNCH)):
+        out["error"] = f"{layout.LAUNCH} missing: {os.path.join(folder, layout.LAUNCH)}"
         return out
     if boot is None:
         out["error"] = "cannot read /proc/sys/kernel/random/boot_id: cannot record a provable pid"
@@ -249,7 +255,7 @@ def not_shipped(folder: str, spec: Json) -> str | None:
     expected = spec.get("launch_sha256")
     if expected is None:
         return None
-    found = sha256_file(os.path.join(folder, "launch.sh"))
+    found = sha256_file(os.path.join(folder, layout.LAUNCH))
     if found == expected:
         return None
     return (

@@ -18,7 +18,7 @@ import os
 import signal
 import time
 
-from . import bounded, gpu, ownership, procfs
+from . import bounded, gpu, layout, ownership, procfs
 from .common import (
     Json,
     describe,
@@ -26,7 +26,6 @@ from .common import (
     number,
     read_json_object,
     remove,
-    unit_dir,
     unit_list,
     which,
     write_json_atomic,
@@ -48,7 +47,7 @@ def check(request: Json) -> None:
 
 def recorded_grace(folder: str) -> float:
     try:
-        record = read_json_object(os.path.join(folder, "unit.json")) or {}
+        record = read_json_object(os.path.join(folder, layout.UNIT_RECORD)) or {}
     except (OSError, ValueError):
         record = {}
     grace = record.get("stop_grace")
@@ -62,7 +61,7 @@ class Stopping:
 
     def __init__(self, workdir: str, spec: Json) -> None:
         self.name: str = spec["name"]
-        self.dir = unit_dir(workdir, self.name)
+        self.dir = layout.unit_dir(workdir, self.name)
         self.workdir = workdir
         self.prune: bool = spec["prune"]
         grace = spec.get("grace")
@@ -109,7 +108,7 @@ def prove(u: Stopping, boot: str | None) -> None:
         # Nothing can be proven about an unusable record: signal nothing, keep it as evidence
         # under another name (so a following start is not blocked forever), fail loudly.
         try:
-            os.replace(os.path.join(u.dir, "pid"), os.path.join(u.dir, "pid.unusable"))
+            os.replace(os.path.join(u.dir, layout.PID), os.path.join(u.dir, "pid.unusable"))
             where = "moved aside to pid.unusable"
         except OSError as exc:
             where = f"could not move it aside: {describe(exc)}"
@@ -119,7 +118,7 @@ def prove(u: Stopping, boot: str | None) -> None:
     u.rec = rec
     if rec is None:
         u.end()
-        u.write = not os.path.exists(os.path.join(u.dir, "stopped"))  # keep the first record
+        u.write = not os.path.exists(os.path.join(u.dir, layout.STOPPED))  # keep the first record
         return
     if ownership.leader_state(rec, boot) in ("reused", "other-boot"):
         if procfs.proc_stat(rec.pid) is not None:
@@ -163,10 +162,10 @@ def leader_to_term(folder: str, alive: list[int]) -> int | None:
     launch script exec'd, e.g. ``ray start --block``, which ends its own children in order),
     when it is a proven member still running; else None: the whole group gets it."""
     try:
-        record = read_json_object(os.path.join(folder, "unit.json")) or {}
+        record = read_json_object(os.path.join(folder, layout.UNIT_RECORD)) or {}
         if record.get("stop_signal_to") != "leader":
             return None
-        child = (read_json_object(os.path.join(folder, "supervisor.json")) or {}).get("child_pid")
+        child = (read_json_object(os.path.join(folder, layout.SUPERVISOR)) or {}).get("child_pid")
     except (OSError, ValueError):
         return None
     return child if isinstance(child, int) and child in alive else None
@@ -237,16 +236,16 @@ def record(u: Stopping) -> None:
                     u.rec.pid,
                     u.rec.start_time,
                 ):
-                    remove(os.path.join(u.dir, "pid"))
+                    remove(os.path.join(u.dir, layout.PID))
             write_json_atomic(
-                os.path.join(u.dir, "stopped"),
+                os.path.join(u.dir, layout.STOPPED),
                 {"stopped_at": now_iso(), "pids": u.result["pids"], "killed": u.result["killed"]},
             )
         except OSError as exc:
             u.fail(f"recording the stop failed: {describe(exc)}")
     if u.prune and u.result["ok"] and os.path.isdir(u.dir):
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        dest = os.path.join(u.workdir, "units", ".pruned", f"{u.name}-{stamp}")
+        dest = os.path.join(u.workdir, layout.UNITS, layout.PRUNED, f"{u.name}-{stamp}")
         try:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             n = 0

@@ -33,7 +33,7 @@ import subprocess
 import threading
 import time
 
-from . import gpu, logpump, logs, procfs, web
+from . import gpu, layout, logpump, logs, procfs, web
 from .common import SMALL_FILE_MAX, Json, describe, now_iso, read_json_object, write_json_atomic
 
 TYPE_CHECKING = False  # see common.py
@@ -70,7 +70,7 @@ class Supervisor:
     def __init__(self, folder: str, keep_logs: int) -> None:
         self.folder = folder
         self.keep_logs = keep_logs
-        record = read_json_object(os.path.join(folder, "unit.json")) or {}
+        record = read_json_object(os.path.join(folder, layout.UNIT_RECORD)) or {}
         self.name = str(record.get("unit") or os.path.basename(folder))
         self.policy: Json = record.get("supervise") or {}
         self.term_leader = record.get("stop_signal_to") == "leader"  # see stop.leader_to_term
@@ -97,7 +97,7 @@ class Supervisor:
             "history": self.history[-HISTORY:],
             **extra,
         }
-        self.save("supervisor.json", body)
+        self.save(layout.SUPERVISOR, body)
 
     def save(self, filename: str, body: Json) -> None:
         """Write a record of the unit; when the disk refuses (full), supervise on, say so once,
@@ -125,7 +125,7 @@ class Supervisor:
         child = None
         try:
             child = subprocess.Popen(
-                ["bash", "launch.sh"],
+                ["bash", layout.LAUNCH],
                 cwd=self.folder,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -190,7 +190,7 @@ class Supervisor:
         probe: a deploy may have rotated it), never from unit.json."""
         headers = dict(spec.get("headers") or {})
         bearer = spec.get("bearer")
-        if isinstance(bearer, dict) and bearer.get("file") in SECRET_FILES:
+        if isinstance(bearer, dict) and bearer.get("file") in layout.SECRET_FILES:
             key = secret_file(self.folder, bearer["file"]).get(str(bearer.get("name")))
             if key:
                 headers["Authorization"] = f"Bearer {key}"
@@ -254,7 +254,7 @@ class Supervisor:
         try:
             target = (
                 read_json_object(
-                    os.path.join(os.path.dirname(os.path.dirname(self.folder)), "notify.json")
+                    os.path.join(os.path.dirname(os.path.dirname(self.folder)), layout.NOTIFY)
                 )
                 or {}
             )
@@ -327,7 +327,7 @@ class Supervisor:
                 f"launch.sh ended ({how}exit code {record['code']}){reason} at {record['finished_at']} after {time.monotonic() - started:.1f}s",
                 who="",
             )
-            self.save("exit", record)
+            self.save(layout.EXIT, record)
             if not self.should_restart(record):
                 break
             seen = {record["child_pid"], *self.others()} - {None}
@@ -366,9 +366,6 @@ class Supervisor:
         for thread in self.notices:
             thread.join(NOTIFY_TIMEOUT + 1)
         return 0
-
-
-SECRET_FILES = ("secrets.env", "secret-args.env", "secret-args.yaml")  # the unit's own, 0600
 
 
 def secret_file(folder: str, name: str) -> Json:
@@ -413,7 +410,9 @@ def secret_file(folder: str, name: str) -> Json:
 
 def secret_values(folder: str) -> list[str]:
     """The unit's secret values (secret_env's and secret_args'): never in a notice."""
-    return [v for name in SECRET_FILES for v in secret_file(folder, name).values() if len(v) >= 4]
+    return [
+        v for name in layout.SECRET_FILES for v in secret_file(folder, name).values() if len(v) >= 4
+    ]
 
 
 def redact_lines(lines: list[str], secrets: list[str]) -> list[str]:
@@ -444,7 +443,7 @@ def main(folder: str, keep_logs: int = 20) -> int:
         say(f"failed: {describe(exc)}")
         with contextlib.suppress(OSError):  # a full disk: the log line above is what is left
             write_json_atomic(
-                os.path.join(folder, "exit"),
+                os.path.join(folder, layout.EXIT),
                 {
                     "code": 70,
                     "signal": None,

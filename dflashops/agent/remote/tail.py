@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 
-from . import logs
-from .common import BadRequest, Json, integer, unit_dir, unit_name
+from . import layout, logs
+from .common import BadRequest, Json, integer, unit_name
 
 
 def check(request: Json) -> None:
@@ -26,7 +26,7 @@ def run(request: Json) -> Json:
     offset, seen = request.get("offset"), request.get("log")
     out: Json = {"log": None, "size": 0, "text": "", "offset": 0, "rotated": False}
     out["truncated"] = False
-    log, path = logs.current(unit_dir(request["workdir"], request["unit"]))
+    log, path = logs.current(layout.unit_dir(request["workdir"], request["unit"]))
     if log is None or path is None:
         return out
     out["log"] = log

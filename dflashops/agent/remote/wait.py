@@ -25,8 +25,8 @@ import select
 import sys
 import time
 
-from . import logs, ownership, probe, procfs, web
-from .common import BadRequest, Json, number, read_json_object, unit_dir
+from . import layout, logs, ownership, probe, procfs, web
+from .common import BadRequest, Json, number, read_json_object
 
 TYPE_CHECKING = False  # see common.py
 if TYPE_CHECKING:
@@ -61,12 +61,12 @@ def done(spec: Json, p: Json, late: bool) -> bool:
 def quick(workdir: str, spec: Json, boot: str | None, timeout: float) -> bool:
     """Whether the unit may be done: its leader is not ours and alive, its supervisor is
     restarting it, or its health answers 200. No /proc pass, no identity, no log."""
-    folder = unit_dir(workdir, spec["name"])
+    folder = layout.unit_dir(workdir, spec["name"])
     try:
         rec, _ = ownership.load_record(folder)
         if rec is None or ownership.leader_state(rec, boot) != "alive":
             return True
-        state = (read_json_object(os.path.join(folder, "supervisor.json")) or {}).get("state")
+        state = (read_json_object(os.path.join(folder, layout.SUPERVISOR)) or {}).get("state")
     except (OSError, ValueError):
         return True
     if state in RESTARTING:

@@ -13,16 +13,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import signal
 import tempfile
 
 from .common import TMP_MARK, BadRequest, Json, integer, make_private_dirs, private_dir
+from .verified import CHUNK, Signals, copy_in, mismatch
 
 TYPE_CHECKING = False  # see common.py
 if TYPE_CHECKING:
-    from typing import Any, BinaryIO
-
-CHUNK = 1 << 20
+    from typing import BinaryIO
 
 
 class Failed(Exception):
@@ -71,22 +69,17 @@ def receive(entry: Json, src: Counted, tmps: list[str]) -> str:
         raise Failed(f"cannot write in {folder}: {exc}") from None
     tmps.append(tmp)
     digest = hashlib.sha256()
-    left = int(entry["size"])
     try:
         with os.fdopen(fd, "wb") as out:
-            while left:
-                chunk = src.read(min(left, CHUNK))
-                if not chunk:
-                    raise Failed(f"input ended {left} bytes early in {path} (connection lost?)")
-                out.write(chunk)
-                digest.update(chunk)
-                left -= len(chunk)
+            left = copy_in(src, out.write, int(entry["size"]), digest)
+            if left:
+                raise Failed(f"input ended {left} bytes early in {path} (connection lost?)")
         os.chmod(tmp, int(entry["mode"]))
     except OSError as exc:
         raise Failed(f"writing {path} failed (disk full?): {exc}") from None
-    got = digest.hexdigest()
-    if got != entry["sha256"]:
-        raise Failed(f"sha256 mismatch on the host for {path}: got {got}, sent {entry['sha256']}")
+    why = mismatch(digest, entry["sha256"], f" for {path}")
+    if why:
+        raise Failed(why)
     return tmp
 
 
@@ -103,21 +96,13 @@ def install(path: str, tmp: str) -> None:
 
 
 def run(request: Json, stdin: BinaryIO) -> Json:
-    interrupted: list[int] = []
+    with Signals(Failed) as signals:
+        return write_all(request, Counted(stdin), signals)
 
-    def on_signal(signum: int, _frame: Any) -> None:
-        # Default handlers would end the process without cleaning up. Raise only once: a later
-        # signal's exception could land inside the cleanup and abort it.
-        if not interrupted:
-            interrupted.append(signum)
-            raise Failed(f"interrupted by signal {signum}")
 
-    before = {}
-    for signum in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT):
-        before[signum] = signal.signal(signum, on_signal)
+def write_all(request: Json, source: Counted, signals: Signals) -> Json:
     files = request["files"]
     tmps: list[str] = []
-    source = Counted(stdin)
     try:
         try:
             private_dir(request["workdir"])  # a deploy writes: the workdir becomes 0700
@@ -129,15 +114,13 @@ def run(request: Json, stdin: BinaryIO) -> Json:
             tmps.remove(tmp)
         return {"ok": True, "written": [f["path"] for f in files], "error": None}
     except Failed as exc:
-        if interrupted:  # a signal: answer, and a session ends after it (main.serve)
+        if signals.fired is not None:  # a signal: answer, and a session ends after it (main.serve)
             return {"ok": False, "written": [], "error": str(exc), "interrupted": True}
         # In a session the next request follows the data: read what was sent but not taken.
         source.drain(sum(int(f["size"]) for f in files))
         return {"ok": False, "written": [], "error": str(exc)}
     finally:
-        interrupted.append(0)  # from here on, signals no longer raise
-        for signum, handler in before.items():  # a session goes on: its signals as they were
-            signal.signal(signum, handler)
+        signals.quiet()  # from here on, signals no longer raise
         for tmp in tmps:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
