@@ -12,6 +12,11 @@ from dataclasses import dataclass
 class DflashopsError(Exception):
     """Base of every error dflashops raises on purpose."""
 
+    def message_for(self, host: str) -> str:
+        """The message for a line that names ``host`` already (the host's own name is not
+        repeated; an error about another host, a peer, still names that one)."""
+        return str(self)
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -43,11 +48,25 @@ class ConfigError(DflashopsError):
 
 
 class HostError(DflashopsError):
-    """A host could not be reached or did not do what it was asked."""
+    """A host could not be reached or did not do what it was asked.
 
-    def __init__(self, host: str, message: str) -> None:
+    Keeps its parts (``host``, ``detail``, ``next_step``) so that a line which names the host
+    already shows the rest (``message_for``) instead of cutting the name off the text; ``str()``
+    is ``[host] detail``, then ``. next_step`` where there is one."""
+
+    def __init__(self, host: str, detail: str, next_step: str | None = None) -> None:
         self.host = host
-        super().__init__(f"[{host}] {message}")
+        self.detail = detail
+        self.next_step = next_step
+        super().__init__(f"[{host}] {self.reason}")
+
+    @property
+    def reason(self) -> str:
+        """What happened and what to do next, without the host's name."""
+        return f"{self.detail}. {self.next_step}" if self.next_step else self.detail
+
+    def message_for(self, host: str) -> str:
+        return self.reason if host == self.host else str(self)
 
 
 class HostBusy(HostError):

@@ -2,53 +2,21 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from rich.console import Console
 
+from dflashops.commands.named import Confirm, OnNamed
 from dflashops.config.inventory import Host
-from dflashops.config.load import load_inventory
-from dflashops.errors import DflashopsError
 from dflashops.hosts.hostkeys import fingerprint, lookup, parse_key_line, record
 from dflashops.hosts.ssh import SshConnection, user_known_hosts
 from dflashops.output import confirm as ask_terminal
-from dflashops.output import escape
-from dflashops.project import find_inventory, split_names
 
 
-def trust(
-    out: Console,
-    *,
-    inventory: str | None = None,
-    hosts: list[str] | str | None = None,
-    yes: bool = False,
-    confirm: Callable[[str], bool] | None = None,
-) -> int:
-    """Fetch each host's SSH key, show its fingerprint, and record it in dflashops' known_hosts
+def _trust_one(out: Console, host: Host, yes: bool, confirm: Confirm | None) -> bool:
+    """Fetch the host's SSH key, show its fingerprint, and record it in dflashops' known_hosts
     after confirmation (a terminal prompt, or --yes for scripts)."""
-    inv = load_inventory(find_inventory(inventory))
-    names = split_names(hosts)
-    if not names:
-        raise DflashopsError("trust needs --host NAMES: say which hosts' keys to record")
-    try:
-        targets = inv.expand(names)
-    except KeyError as exc:
-        raise DflashopsError(f"--host {exc.args[0]!r} is not in {inv.path}") from None
-    failed = 0
-    for name in targets:
-        host = inv.hosts[name]
-        if host.is_local:
-            out.print(f"\\[{name}] local host: no SSH key to trust")
-            continue
-        try:
-            failed += not _trust_one(out, host, yes, confirm)
-        except DflashopsError as exc:
-            out.print(f"[red]failed:[/] {escape(str(exc))}")
-            failed += 1
-    return 1 if failed else 0
-
-
-def _trust_one(out: Console, host: Host, yes: bool, confirm: Callable[[str], bool] | None) -> bool:
+    if host.is_local:
+        out.print(f"\\[{host.name}] local host: no SSH key to trust")
+        return True
     conn = SshConnection(host)
     key = conn.host_key()
     name = conn.key_name()
@@ -83,3 +51,6 @@ def _trust_one(out: Console, host: Host, yes: bool, confirm: Callable[[str], boo
     path = record(name, key)
     out.print(f"\\[{host.name}] recorded {shown} for {name} in {path}")
     return True
+
+
+trust = OnNamed("trust needs --host NAMES: say which hosts' keys to record", _trust_one)

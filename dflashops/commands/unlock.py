@@ -10,54 +10,21 @@ scripts (as trust does).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from rich.console import Console
 
 from dflashops.agent import Agent, lock
 from dflashops.agent.lock_answers import LockAnswer
+from dflashops.commands.named import Confirm, OnNamed
 from dflashops.config.inventory import Host
-from dflashops.config.load import load_inventory
 from dflashops.errors import DflashopsError
 from dflashops.hosts import connect
 from dflashops.output import confirm as ask_terminal
 from dflashops.output import escape
-from dflashops.project import find_inventory, split_names
 
 
-def unlock(
-    out: Console,
-    *,
-    inventory: str | None = None,
-    hosts: list[str] | str | None = None,
-    yes: bool = False,
-    confirm: Callable[[str], bool] | None = None,
-) -> int:
-    """Per host: the holder record and whether its agent is alive; release a held lock after
-    confirmation. 0 when every host's lock is free at the end, else 1."""
-    failed = 0
-    for host in _named(inventory, hosts):
-        try:
-            failed += not _unlock_one(out, host, yes, confirm)
-        except DflashopsError as exc:
-            out.print(f"[red]failed:[/] {escape(str(exc))}")
-            failed += 1
-    return 1 if failed else 0
-
-
-def _named(inventory: str | None, hosts: list[str] | str | None) -> list[Host]:
-    """The hosts --host names (groups expanded): unlock acts on named hosts only."""
-    inv = load_inventory(find_inventory(inventory))
-    names = split_names(hosts)
-    if not names:
-        raise DflashopsError("unlock needs --host NAMES: say which hosts' deploy locks to release")
-    try:
-        return [inv.hosts[name] for name in inv.expand(names)]
-    except KeyError as exc:
-        raise DflashopsError(f"--host {exc.args[0]!r} is not in {inv.path}") from None
-
-
-def _unlock_one(out: Console, host: Host, yes: bool, confirm: Callable[[str], bool] | None) -> bool:
+def _unlock_one(out: Console, host: Host, yes: bool, confirm: Confirm | None) -> bool:
+    """The holder record and whether its agent is alive; release a held lock after
+    confirmation. True when the host's lock is free at the end."""
     conn = connect(host)
     try:
         agent = Agent(conn, host.python)
@@ -111,3 +78,6 @@ def _show(out: Console, name: str, state: LockAnswer) -> bool:
         "is alive"
     )
     return True
+
+
+unlock = OnNamed("unlock needs --host NAMES: say which hosts' deploy locks to release", _unlock_one)

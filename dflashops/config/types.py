@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import re
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field
@@ -24,26 +25,44 @@ KEY_TYPES = {
     "ecdsa-sha2-nistp384",
     "ecdsa-sha2-nistp521",
 }
+# Linux interface names: at most 15 bytes, no '/' or whitespace (IFNAMSIZ).
+NET_IF_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}$")
 _DURATION_RE = re.compile(
     r"^\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*$"
 )
 
 
-def _name(value: str) -> str:
-    if not NAME_RE.fullmatch(value):
-        raise ValueError(
-            f"{value!r} is not a valid name: use lowercase letters, digits and '-', "
-            "starting with a letter or digit, at most 63 characters"
-        )
-    return value
+def _matching(pattern: re.Pattern[str], refusal: str) -> Callable[[str], str]:
+    """A validator that keeps a value ``pattern`` matches whole and refuses any other with
+    ``refusal`` after the value itself (which says what is allowed)."""
+
+    def check(value: str) -> str:
+        if not pattern.fullmatch(value):
+            raise ValueError(f"{value!r} {refusal}")
+        return value
+
+    return check
 
 
-def _env_name(value: str) -> str:
-    if not ENV_NAME_RE.fullmatch(value):
-        raise ValueError(
-            f"{value!r} is not a valid environment variable name ([A-Za-z_][A-Za-z0-9_]*)"
-        )
-    return value
+_name = _matching(
+    NAME_RE,
+    "is not a valid name: use lowercase letters, digits and '-', "
+    "starting with a letter or digit, at most 63 characters",
+)
+_env_name = _matching(
+    ENV_NAME_RE, "is not a valid environment variable name ([A-Za-z_][A-Za-z0-9_]*)"
+)
+_address = _matching(
+    ADDRESS_RE,
+    "is not a host name, IP address or ~/.ssh/config alias "
+    "(letters, digits, '.', '-', ':'; not starting with '-')",
+)
+_user = _matching(USER_RE, "is not a valid login name")
+_net_if = _matching(
+    NET_IF_RE,
+    "is not a network interface name (like 'ens1', 'eth0', 'ib0': letters, "
+    "digits, '_', '.', ':', '@', '-', at most 15 characters)",
+)
 
 
 def _path(value: str) -> str:
@@ -76,21 +95,6 @@ def _env_keys(env: dict[str, object]) -> dict[str, object]:
                 f"{key} is set by dflashops itself (GPUs come from `gpus:`, DFLASHOPS_* describe the unit); remove it"
             )
     return env
-
-
-def _address(value: str) -> str:
-    if not ADDRESS_RE.fullmatch(value):
-        raise ValueError(
-            f"{value!r} is not a host name, IP address or ~/.ssh/config alias "
-            "(letters, digits, '.', '-', ':'; not starting with '-')"
-        )
-    return value
-
-
-def _user(value: str) -> str:
-    if not USER_RE.fullmatch(value):
-        raise ValueError(f"{value!r} is not a valid login name")
-    return value
 
 
 def _host_key(value: str) -> str:
@@ -160,19 +164,6 @@ def _scalar_to_str(value: Any) -> Any:
         raise ValueError('write booleans as quoted strings ("1", "true") so the value is exact')
     if isinstance(value, (int, float)):
         return str(value)
-    return value
-
-
-_NET_IF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,14}$")
-
-
-def _net_if(value: str) -> str:
-    # Linux interface names: at most 15 bytes, no '/' or whitespace (IFNAMSIZ).
-    if not _NET_IF.fullmatch(value):
-        raise ValueError(
-            f"{value!r} is not a network interface name (like 'ens1', 'eth0', 'ib0': letters, "
-            "digits, '_', '.', ':', '@', '-', at most 15 characters)"
-        )
     return value
 
 

@@ -1,19 +1,22 @@
-"""The one interface the rest of dflashops uses to touch a host, whatever the transport.
+"""What a connection speaks, whatever the transport: commands, results, errors, kept streams.
 
-Two kinds implement it: ``SshConnection`` (Fabric/paramiko, strict host keys) and
-``LocalConnection`` (this machine, for the embedded default). Every call returns a checked
-``Result``; a non-zero exit raises ``CommandError`` with the command, the exit code and the end
-of its output, so no caller can mistake silence for success.
+The interface itself is ``hosts.base.BaseConnection``; two kinds implement it: ``SshConnection``
+(Fabric/paramiko, strict host keys) and ``LocalConnection`` (this machine, for the embedded
+default). Every call returns a checked ``Result``; a non-zero exit raises ``CommandError`` with
+the command, the exit code and the end of its output, so no caller can mistake silence for
+success.
 """
 
 from __future__ import annotations
 
 import shlex
+import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from dflashops.errors import HostError
+from dflashops.hosts.untrusted import LINE_LIMIT, too_large
 
 Command = str | Sequence[str]
 # stdin: bytes, or chunks produced while the command runs (a large transfer never sits whole in
@@ -78,40 +81,50 @@ class CommandTimeout(HostError):
     """The command did not finish in time; it may still be running on the host."""
 
 
-class Stream(Protocol):
-    """A command kept running: bytes in, lines out (a served agent session)."""
-
-    def send(self, data: bytes) -> None: ...
-
-    def readline(self, timeout: float) -> bytes: ...
-
-    def ending(self) -> Result:
-        """Once ``readline`` raised StreamEnded: the command's exit status, what it printed
-        after its last line, and its stderr (for the error that says why it ended)."""
-        ...
-
-    def close(self) -> None: ...
-
-
 class StreamEnded(HostError):
     """The kept command ended or its connection dropped: open a new one."""
 
 
-class Connection(Protocol):
-    """Run a command (with optional stdin bytes), put bytes into a file, get a file's bytes."""
+class Stream(ABC):
+    """A command kept running: bytes in, lines out (a served agent session)."""
 
-    host: str  # the inventory name, for messages
+    host: str
+    buffer: bytearray  # what arrived after the last line read
+    scanned: int  # bytes of buffer known to hold no newline
 
-    def run(
-        self,
-        command: Command,
-        *,
-        input: Input = None,
-        timeout: float | None = 60.0,
-        check: bool = True,
-        stdout: Sink | None = None,
-    ) -> Result: ...
+    @abstractmethod
+    def send(self, data: bytes) -> None: ...
 
+    @abstractmethod
+    def receive(self, wait: float) -> bytes:
+        """What arrives within ``wait`` seconds (b"" if nothing did); StreamEnded at its end."""
+
+    @abstractmethod
+    def kill(self) -> None:
+        """End the command now, unread: it floods."""
+
+    @abstractmethod
+    def ending(self) -> Result:
+        """Once ``readline`` raised StreamEnded: the command's exit status, what it printed
+        after its last line, and its stderr (for the error that says why it ended)."""
+
+    @abstractmethod
     def close(self) -> None: ...
 
-    def stream(self, command: Command) -> Stream: ...
+    def readline(self, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        while (end := self.buffer.find(b"\n", self.scanned)) < 0:
+            self.scanned = len(self.buffer)
+            if self.scanned > LINE_LIMIT:
+                self.kill()  # nothing it says next is read
+                raise too_large(self.host, "a line of the agent's answer", LINE_LIMIT)
+            left = deadline - time.monotonic()
+            data = self.receive(max(left, 0.0))
+            if data:
+                self.buffer += data
+            elif left <= 0:
+                raise CommandTimeout(self.host, f"no answer within {timeout:.0f}s")
+        line = bytes(self.buffer[: end + 1])
+        del self.buffer[: end + 1]
+        self.scanned = 0
+        return line

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import subprocess
 import tempfile
 import threading
@@ -11,18 +12,8 @@ from collections.abc import Iterable, Mapping
 from typing import IO
 
 from dflashops.hosts.base import BaseConnection
-from dflashops.hosts.connection import (
-    Command,
-    CommandError,
-    CommandTimeout,
-    Input,
-    Result,
-    Sink,
-    StreamEnded,
-    as_shell,
-    chunks,
-)
-from dflashops.hosts.untrusted import LINE_LIMIT, keep_tail, too_large
+from dflashops.hosts.connection import CommandTimeout, Result, Sink, Stream, StreamEnded
+from dflashops.hosts.untrusted import keep_tail
 
 # What runs on a local host (the agent, and so every unit it starts) gets of the controller's
 # environment (DESIGN trust 5): the operator's shell may hold cloud keys, tokens and webhook
@@ -48,16 +39,9 @@ class LocalConnection(BaseConnection):
         names = (*KEPT_VARIABLES, *self.passes)
         return {**{k: os.environ[k] for k in names if k in os.environ}, **self.env}
 
-    def run(
-        self,
-        command: Command,
-        *,
-        input: Input = None,
-        timeout: float | None = 60.0,
-        check: bool = True,
-        stdout: Sink | None = None,
-    ) -> Result:
-        shell = as_shell(command)
+    def execute(
+        self, shell: str, input: Iterable[bytes], timeout: float | None, sink: Sink | None
+    ) -> tuple[int, bytes, bytes]:
         self.commands += 1
         # bash -c like sshd's session shell would; start_new_session keeps our terminal's
         # Ctrl-C from reaching what the command starts. stdin is fed and stdout/stderr are
@@ -78,7 +62,7 @@ class LocalConnection(BaseConnection):
         threads = [
             threading.Thread(target=_feed, args=(proc.stdin, input), daemon=True),
             threading.Thread(
-                target=_drain, args=(proc, proc.stdout, stdout or out.extend, failed), daemon=True
+                target=_drain, args=(proc, proc.stdout, sink or out.extend, failed), daemon=True
             ),
             threading.Thread(
                 target=_drain,
@@ -100,20 +84,17 @@ class LocalConnection(BaseConnection):
             t.join()
         if failed:
             raise failed[0]
-        result = Result(shell, code, bytes(out), bytes(err))
-        if check and result.exit_code != 0:
-            raise CommandError(self.host, result)
-        return result
+        return code, bytes(out), bytes(err)
 
     def close(self) -> None:
         return None
 
-    def stream(self, command: Command) -> LocalStream:
+    def keep(self, shell: str) -> LocalStream:
         self.commands += 1
         # A file, not a pipe: nothing to drain while it runs; LocalStream.close closes it.
         err = tempfile.TemporaryFile()  # noqa: SIM115
         proc = subprocess.Popen(
-            ["bash", "-c", as_shell(command)],
+            ["bash", "-c", shell],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
@@ -123,7 +104,7 @@ class LocalConnection(BaseConnection):
         return LocalStream(self.host, proc, err)
 
 
-class LocalStream:
+class LocalStream(Stream):
     def __init__(self, host: str, proc: subprocess.Popen[bytes], err: IO[bytes]) -> None:
         self.host = host
         self.proc = proc
@@ -139,31 +120,19 @@ class LocalStream:
         except (BrokenPipeError, OSError) as exc:
             raise StreamEnded(self.host, f"the kept command ended: {exc}") from None
 
-    def readline(self, timeout: float) -> bytes:
-        import select
-        import time
-
+    def receive(self, wait: float) -> bytes:
         assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout
         fd = self.proc.stdout.fileno()
-        while (end := self.buffer.find(b"\n", self.scanned)) < 0:
-            self.scanned = len(self.buffer)
-            if self.scanned > LINE_LIMIT:
-                self.proc.kill()  # it floods: nothing it says next is read
-                raise too_large(self.host, "a line of the agent's answer", LINE_LIMIT)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CommandTimeout(self.host, f"no answer within {timeout:.0f}s")
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                data = os.read(fd, 1 << 16)
-                if not data:
-                    raise StreamEnded(self.host, "the kept command ended")
-                self.buffer += data
-        line = bytes(self.buffer[: end + 1])
-        del self.buffer[: end + 1]
-        self.scanned = 0
-        return line
+        ready, _, _ = select.select([fd], [], [], wait)
+        if not ready:
+            return b""
+        data = os.read(fd, 1 << 16)
+        if not data:
+            raise StreamEnded(self.host, "the kept command ended")
+        return data
+
+    def kill(self) -> None:
+        self.proc.kill()
 
     def ending(self) -> Result:
         try:
@@ -186,9 +155,9 @@ class LocalStream:
         self.err.close()
 
 
-def _feed(pipe: IO[bytes], data: Input) -> None:
+def _feed(pipe: IO[bytes], data: Iterable[bytes]) -> None:
     try:
-        for chunk in chunks(data):
+        for chunk in data:
             pipe.write(chunk)
     except (BrokenPipeError, OSError):
         pass  # the command ended without reading it all: its exit status says why

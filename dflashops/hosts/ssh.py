@@ -11,6 +11,7 @@ import contextlib
 import select
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +22,7 @@ from fabric import Connection as FabricConnection
 from dflashops.config.inventory import Host
 from dflashops.errors import HostError
 from dflashops.hosts.base import BaseConnection
-from dflashops.hosts.connection import (
-    Command,
-    CommandError,
-    CommandTimeout,
-    Input,
-    Result,
-    Sink,
-    StreamEnded,
-    as_shell,
-    chunks,
-)
+from dflashops.hosts.connection import CommandTimeout, Result, Sink, Stream, StreamEnded
 from dflashops.hosts.hostkeys import (
     ChangedHostKey,
     KnownKey,
@@ -40,7 +31,7 @@ from dflashops.hosts.hostkeys import (
     key_name,
     lookup,
 )
-from dflashops.hosts.untrusted import LINE_LIMIT, keep_tail, too_large
+from dflashops.hosts.untrusted import keep_tail
 
 CONNECT_TIMEOUT = 15.0
 KEEPALIVE = 30
@@ -49,7 +40,7 @@ KEEPALIVE = 30
 SEND_PIECE = 1 << 18
 
 
-class SshStream:
+class SshStream(Stream):
     """A command kept running on one channel of the host's connection."""
 
     def __init__(self, host: str, channel: paramiko.Channel) -> None:
@@ -68,26 +59,16 @@ class SshStream:
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise StreamEnded(self.host, f"the kept command's channel is gone: {exc}") from None
 
-    def readline(self, timeout: float) -> bytes:
-        deadline = time.monotonic() + timeout
-        while (end := self.buffer.find(b"\n", self.scanned)) < 0:
-            self.scanned = len(self.buffer)
-            if self.scanned > LINE_LIMIT:
-                self.close()  # it floods: nothing it says next is read
-                raise too_large(self.host, "a line of the agent's answer", LINE_LIMIT)
-            if self.channel.recv_ready():
-                self.buffer += self.channel.recv(1 << 16)
-                continue
-            if self.channel.closed or self.channel.exit_status_ready() or self.channel.eof_received:
-                raise StreamEnded(self.host, "the kept command ended")
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CommandTimeout(self.host, f"no answer within {timeout:.0f}s")
-            select.select([self.channel], [], [], min(left, 0.5))
-        line = bytes(self.buffer[: end + 1])
-        del self.buffer[: end + 1]
-        self.scanned = 0
-        return line
+    def receive(self, wait: float) -> bytes:
+        if self.channel.recv_ready():
+            return self.channel.recv(1 << 16)
+        if self.channel.closed or self.channel.exit_status_ready() or self.channel.eof_received:
+            raise StreamEnded(self.host, "the kept command ended")
+        select.select([self.channel], [], [], min(wait, 0.5))
+        return self.channel.recv(1 << 16) if self.channel.recv_ready() else b""
+
+    def kill(self) -> None:
+        self.close()
 
     def ending(self) -> Result:
         code = -1
@@ -202,7 +183,7 @@ class SshConnection(BaseConnection):
             ]
             raise HostError(
                 self.host,
-                f"authentication failed for {self.where} with key(s) {', '.join(map(str, keys))}: {exc}. "
+                f"authentication failed for {self.where} with key(s) {', '.join(map(str, keys))}: {exc}",
                 "Check `user` and `key_file` in the inventory and that the public key is in the host's authorized_keys.",
             ) from None
         except socket.gaierror as exc:
@@ -230,17 +211,10 @@ class SshConnection(BaseConnection):
             transport.set_keepalive(KEEPALIVE)
             no_delay(transport)
 
-    def run(
-        self,
-        command: Command,
-        *,
-        input: Input = None,
-        timeout: float | None = 60.0,
-        check: bool = True,
-        stdout: Sink | None = None,
-    ) -> Result:
+    def execute(
+        self, shell: str, input: Iterable[bytes], timeout: float | None, sink: Sink | None
+    ) -> tuple[int, bytes, bytes]:
         self.open()
-        shell = as_shell(command)
         transport = self.fabric.client.get_transport()
         if transport is None or not transport.is_active():
             raise HostError(self.host, f"connection to {self.where} is closed")
@@ -250,7 +224,7 @@ class SshConnection(BaseConnection):
             channel = transport.open_session(timeout=self.timeout)
             channel.exec_command(shell)
             self._send(channel, input)
-            out, err = self._collect(channel, shell, timeout, stdout)
+            out, err = self._collect(channel, shell, timeout, sink)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise HostError(
                 self.host,
@@ -266,18 +240,15 @@ class SshConnection(BaseConnection):
             raise HostError(
                 self.host, f"connection to {self.where} lost: no exit status for {shell[:120]!r}"
             )
-        result = Result(shell, code, out, err)
-        if check and code != 0:
-            raise CommandError(self.host, result)
-        return result
+        return code, out, err
 
-    def _send(self, channel: paramiko.Channel, data: Input) -> None:
+    def _send(self, channel: paramiko.Channel, data: Iterable[bytes]) -> None:
         """Send stdin (all of it before reading output: the agent answers only at its end).
         A command that exits early (a full disk, a failed check) closes the channel under us:
         its exit status and stderr are its answer, not a lost connection. (As with a local
         pipe, input it never read is simply dropped.)"""
         try:
-            for chunk in chunks(data):
+            for chunk in data:
                 sent = 0
                 while sent < len(chunk):
                     sent += channel.send(chunk[sent : sent + (1 << 16)])
@@ -320,7 +291,7 @@ class SshConnection(BaseConnection):
             if not got:
                 select.select([channel], [], [], 0.05)
 
-    def stream(self, command: Command) -> SshStream:
+    def keep(self, shell: str) -> SshStream:
         self.open()
         transport = self.fabric.client.get_transport()
         if transport is None or not transport.is_active():
@@ -328,7 +299,7 @@ class SshConnection(BaseConnection):
         self.commands += 1
         try:
             channel = transport.open_session(timeout=self.timeout)
-            channel.exec_command(as_shell(command))
+            channel.exec_command(shell)
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise StreamEnded(self.host, f"connection to {self.where} lost: {exc}") from None
         return SshStream(self.host, channel)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from dflashops.commands.table import DEFAULT_FORKS
@@ -26,10 +26,19 @@ class Outcome(Generic[T]):
     error: str | None = None
     unexpected: bool = False  # an exception that is a dflashops bug, not a host problem
     busy: bool = False  # reached, but another actor holds its deploy lock
+    # What was raised, kept whole (Invoke's Failure keeps its Result): its parts, not its text.
+    exception: Exception | None = field(default=None, compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def reason(self) -> str | None:
+        """``error`` for a line that names the host already: without the host's own name."""
+        if isinstance(self.exception, DflashopsError):
+            return self.exception.message_for(self.host)
+        return self.error
 
 
 def on_hosts(
@@ -47,13 +56,12 @@ def on_hosts(
         try:
             return Outcome(host.name, value=fn(host))
         except HostBusy as exc:
-            return Outcome(host.name, error=str(exc), busy=True)
+            return Outcome(host.name, error=str(exc), busy=True, exception=exc)
         except DflashopsError as exc:
-            return Outcome(host.name, error=str(exc))
+            return Outcome(host.name, error=str(exc), exception=exc)
         except Exception as exc:  # reported per host: one bug never hides the other hosts
-            return Outcome(
-                host.name, error=f"internal error ({type(exc).__name__}: {exc})", unexpected=True
-            )
+            error = f"internal error ({type(exc).__name__}: {exc})"
+            return Outcome(host.name, error=error, unexpected=True, exception=exc)
 
     if not hosts:
         return {}
