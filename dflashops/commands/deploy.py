@@ -223,7 +223,7 @@ def each_host(
     for name, outcome in outcomes.items():
         if not outcome.ok:
             status = "failed" if outcome.unexpected or outcome.busy else "unreachable"
-            message = (outcome.error or "failed").removeprefix(f"[{name}] ")  # the line names it
+            message = outcome.reason or "failed"  # the line names the host
             events.emit(name, None, status, "host", message)  # type: ignore[arg-type]
     ok = events.print_recap(target.hosts)
     events.close()

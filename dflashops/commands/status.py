@@ -194,7 +194,7 @@ def look_at(session: HostSession) -> Look:
             for r in session.rendered
             if r.unit.port is not None and (uf := facts.unit(r.unit.name)) and uf.running
         ]
-        specs = [probe_spec(r, metrics=True) for r in probed]
+        specs = [probe_spec(r, session.resolved.values, metrics=True) for r in probed]
         probes = session.agent.probe(facts.workdir, specs)
         # Only failed units cost an extra call each: the end of the log says why.
         tails = {

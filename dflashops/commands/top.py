@@ -74,7 +74,7 @@ class Watch:
 
     def _look(self, host: Host) -> ProbeResult:
         run = self._run(host)
-        specs = [probe_spec(r, metrics=True) for r in run.rendered]
+        specs = [probe_spec(r, run.resolved.values, metrics=True) for r in run.rendered]
         run.agent.keep = self.keep
         try:
             return run.agent.observe(host.workdir, specs)
@@ -95,7 +95,7 @@ class Watch:
         outcomes = on_hosts(list(self.target.hosts.values()), self._look, self.forks)
         total = 0.0
         for name, outcome in outcomes.items():
-            view = HostView(error=outcome.error)
+            view = HostView(error=outcome.reason)  # the row names the host
             if outcome.value is not None:
                 view.result = outcome.value
                 at = outcome.value.time or time.time()
@@ -245,7 +245,7 @@ def frame(watch: Watch) -> Group:
     fleet = [0.0, 0, 0, 0.0, 0.0]
     for name, view in watch.views.items():
         if view.result is None:
-            reason = escape((view.error or "no answer yet").removeprefix(f"[{name}] ")[:80])
+            reason = escape((view.error or "no answer yet")[:80])
             add_row(servers, name, "-", "[red]unreachable[/]", reason)
             continue
         result = view.result

@@ -22,15 +22,16 @@ import shlex
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from dflashops.agent.remote import layout
 from dflashops.engines.base import SecretArgs, ShellVar, Token, UnitFile
 from dflashops.engines.protocol import protocol
 
 if TYPE_CHECKING:
     from dflashops.plan import Unit
 
-SECRETS_ENV = "secrets.env"
-CONFIG_FILE = "secret-args.yaml"  # SGLang and vLLM want a .yaml name
-ARGS_FILE = "secret-args.env"
+SECRETS_ENV = layout.SECRETS_ENV
+CONFIG_FILE = layout.SECRET_ARGS_YAML
+ARGS_FILE = layout.SECRET_ARGS_ENV
 VLLM_KEY_VAR = "VLLM_API_KEY"
 
 

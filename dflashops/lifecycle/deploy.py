@@ -14,16 +14,19 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
-import os
+import posixpath
 from dataclasses import dataclass
 
 from dflashops.agent.answers import HostFacts
 from dflashops.agent.lock import take as hold_lock
-from dflashops.changes.orphans import blocking, ways_out
+from dflashops.agent.remote import layout
+from dflashops.changes.orphans import ways_out
 from dflashops.changes.units import Change, describe_state, plan_changes
 from dflashops.changes.verdicts import (
     launch_bytes,
+    node_blocked,
     replica_batches,
+    start_blocker,
     stop_problem,
     stopped_text,
     unit_record,
@@ -37,6 +40,12 @@ from dflashops.lifecycle.stage import Stage
 from dflashops.preflight.parsers import before_restart
 
 MEET_TIMEOUT = 120.0  # s a host waits for the other hosts of a unit to restart it together
+PLAN_VERBS = {  # --check's word for each decided action
+    "ok": "ok",
+    "ship": "would ship files",
+    "start": "would start",
+    "restart": "would restart",
+}
 
 
 @dataclass
@@ -67,10 +76,24 @@ class HostRun(Readiness):
         )
 
     def _deploy(self) -> None:
-        if not self.opts.check:  # a plan changes nothing: it needs no lock
+        """Decide, then apply or not: --check prints the very decisions a deploy acts on
+        (environments and files entries are decided the same way, in stage.py)."""
+        apply = not self.opts.check
+        if apply:  # a plan changes nothing: it needs no lock
             self.take_lock("deploy")
         facts = self.gather(probe=True, rerun=self.opts.rerun)
-        self._orphans()
+        self._orphans(prune=apply and self.opts.prune)
+        changes = self._decide(facts)
+        if apply:
+            self._apply(changes, facts)
+        else:
+            for c in changes:
+                status = "ok" if c.action == "ok" else "changed"
+                self.emit(c.name, status, "plan", f"{PLAN_VERBS[c.action]} ({c.reason})")
+
+    def _decide(self, facts: HostFacts) -> list[Change]:
+        """What each unit needs, after its environments and files entries (which stage.py
+        makes so, or with --check says it would)."""
         self.stage = stage = Stage(
             self, self.node, facts, self.opts.check, self.check_abort, self.failed
         )
@@ -81,22 +104,13 @@ class HostRun(Readiness):
         )
         if self.opts.diff:
             self._show_diffs(facts, changes)
-        changes = self._node_blocked(changes, stage)
-        if facts.gpus.skipped and any(c.runs_after for c in changes) and not self.opts.check:
+        return self._node_blocked(changes, stage)
+
+    def _apply(self, changes: list[Change], facts: HostFacts) -> None:
+        if facts.gpus.skipped and any(c.runs_after for c in changes):
             # The facts call judged nothing would start; something does (files moved under a
             # running unit): its GPU check needs nvidia-smi after all.
             facts = facts.model_copy(update={"gpus": self.agent.gpus(self.workdir)})
-        if self.opts.check:
-            for c in changes:
-                status = "ok" if c.action == "ok" else "changed"
-                verb = {
-                    "ok": "ok",
-                    "ship": "would ship files",
-                    "start": "would start",
-                    "restart": "would restart",
-                }[c.action]
-                self.emit(c.name, status, "plan", f"{verb} ({c.reason})")
-            return
         runnable = [c for c in changes if c.runs_after and self._may_run(c, facts)]
         restarts = [c for c in runnable if c.action == "restart"]
         # unit.json names what runs: a restarting unit gets its new files only once the old
@@ -123,38 +137,24 @@ class HostRun(Readiness):
 
     def _notify(self, facts: HostFacts) -> list[tuple[bytes, str, int]]:
         """The host's webhook, as WORKDIR/notify.json (0600), when it is not there already:
-        supervisors read it when they restart a unit. The URL is a secret: redacted."""
-        spec = self.host.webhook
-        url = spec
-        if spec is not None and spec.startswith("env:"):
-            url = os.environ.get(spec[4:])
-            if not url:
-                self.emit(
-                    None,
-                    "failed",
-                    "notify",
-                    f"notify: {spec[4:]} is not set on the controller, so restarts on this host are not reported: set it (or remove notify) and deploy again",
-                    entry="notify",
-                )
-                self.failed.add("notify")
-                return []
+        supervisors read it when they restart a unit. The URL is a secret: redacted (the
+        session registered it)."""
+        unset = self.resolved.webhook_unset
+        if unset is not None:
+            self.emit(
+                None,
+                "failed",
+                "notify",
+                f"notify: {unset} is not set on the controller, so restarts on this host are not reported: set it (or remove notify) and deploy again",
+                entry="notify",
+            )
+            self.failed.add("notify")
+            return []
+        url = self.resolved.webhook
         body = (json.dumps({"webhook": url, "host": self.host.name}) if url else "{}").encode()
         if facts.notify_sha256 == hashlib.sha256(body).hexdigest() or (
             not url and facts.notify_sha256 is None
         ):
-            return []
-        if url:
-            self.events.add_secrets([url])
-        if self.opts.check:
-            self.emit(
-                None,
-                "changed",
-                "notify",
-                "notify: would set the host's webhook"
-                if url
-                else "notify: would clear the host's webhook",
-                entry="notify",
-            )
             return []
         self.emit(
             None,
@@ -165,7 +165,7 @@ class HostRun(Readiness):
             else "notify: webhook removed",
             entry="notify",
         )
-        return [(body, f"{self.workdir}/notify.json", 0o600)]
+        return [(body, posixpath.join(self.workdir, layout.NOTIFY), 0o600)]
 
     def _content(self, stage: Stage) -> dict[str, dict[str, str | None]]:
         """What each unit's files entries hold now (or, with --check, will hold)."""
@@ -180,81 +180,23 @@ class HostRun(Readiness):
         not (re)started; a running one keeps running what it runs. The rest go on."""
         kept = []
         for c in changes:
-            unit = c.rendered.unit
-            env_why = stage.envs_failed.get(unit.env.name) if unit.env is not None else None
-            waits = [k for k in unit.waits if stage.entries.get(k) not in ("ok", "changed")]
-            if env_why is None and not waits:
+            blocked = node_blocked(c, stage.envs_failed, stage.entries, stage.reasons)
+            if blocked is None:
                 kept.append(c)
-                continue
-            if not c.runs_after:
-                kept.append(c)  # nothing to start: it stays as it is
-                continue
-            still = " (still running its old process)" if c.action == "restart" else ""
-            if env_why is not None and unit.env is not None:
-                verb = "restarted" if still else "started"
-                self.fail(
-                    c.name, "start", f"not {verb}: environment {unit.env.name} did not build{still}"
-                )
-                continue
-            failed = [k for k in waits if stage.entries.get(k) == "failed"]
-            if failed:
-                self.fail(
-                    c.name, "start", f"not started: files {', '.join(failed)} not in place{still}"
-                )
-                continue
-            self.emit(
-                c.name,
-                "waiting",
-                "start",
-                f"waiting: {'; '.join(stage.reasons.get(k, k) for k in waits)}{still}",
-            )
-            self.waiting.add(c.name)
+            elif blocked.status == "failed":
+                self.fail(c.name, "start", blocked.message)
+            else:
+                self.emit(c.name, "waiting", "start", blocked.message)
+                self.waiting.add(c.name)
         return kept
 
     def _may_run(self, c: Change, facts: HostFacts) -> bool:
-        """Refuse to start on top of something that is not ours: a foreign listener on the
-        port, GPU memory held by foreign processes (unless --force), a missing secret."""
-        unit = c.rendered.unit
-        ours = {p for uf in facts.units.values() if uf.running for p in uf.group_pids}
-        if unit.port is not None:
-            listener = facts.listener(unit.port)
-            if listener is not None and not set(listener.pids) <= ours:
-                holder = ", ".join(map(str, listener.pids)) or "a process we cannot see"
-                self.fail(
-                    c.name,
-                    "start",
-                    f"port {unit.port} is already taken by pid {holder} (not a dflashops unit); not started",
-                )
-                return False
-        for orphan, held in blocking(self.orphans, facts, unit.port, unit.gpus):
-            self.fail(
-                c.name,
-                "start",
-                f"{held} held by orphan {orphan.name} ({orphan.describe()}), which no playbook "
-                f"defines any more; not started: {ways_out(orphan.name)}",
-            )
-            return False
-        for gpu in unit.gpus:
-            foreign = [p for p in facts.gpus.processes if p.gpu_index == gpu and p.pid not in ours]
-            if foreign and not self.opts.force:
-                held = ", ".join(f"pid {p.pid} ({p.used_mib} MiB)" for p in foreign)
-                self.fail(
-                    c.name,
-                    "start",
-                    f"GPU {gpu} holds memory of processes dflashops did not start: {held}; not started (--force starts anyway)",
-                )
-                return False
-        sources = [*unit.spec.secret_env.values(), *c.rendered.launch.secrets.sources()]
-        missing = sorted({src for src in sources if src not in os.environ})
-        if missing:
-            self.fail(
-                c.name,
-                "start",
-                f"secret_env/secret_args need {', '.join(missing)} set on the controller; not started",
-            )
-            return False
-        self.events.add_secrets(os.environ[src] for src in sources)
-        return True
+        """Refuse to start on top of something that is not ours (changes/verdicts.py's
+        start_blocker): the unit fails, naming what is in the way."""
+        why = start_blocker(c.rendered, facts, self.orphans, self.resolved.values, self.opts.force)
+        if why is not None:
+            self.fail(c.name, "start", why)
+        return why is None
 
     def _show_diffs(self, facts: HostFacts, changes: list[Change]) -> None:
         for c in changes:
@@ -263,7 +205,7 @@ class HostRun(Readiness):
             uf = facts.unit(c.name)
             old = ""
             if uf is not None and uf.script_sha256:
-                got = self.conn.get(f"{self.unit_dir(c.name)}/launch.sh")
+                got = self.conn.get(layout.unit_file(self.workdir, c.name, layout.LAUNCH))
                 old = inert(got.decode("utf-8", "replace"))  # the host's bytes, printed
             diff = "".join(
                 difflib.unified_diff(
@@ -308,15 +250,15 @@ class HostRun(Readiness):
         base = self.unit_dir(c.name)
         # Only the host's user reads what a unit runs with (DESIGN trust 4).
         files = [
-            (launch_bytes(r), f"{base}/launch.sh", 0o700),
+            (launch_bytes(r), posixpath.join(base, layout.LAUNCH), 0o700),
             (
                 json.dumps(unit_record(r, self._content_of(r)), indent=1).encode() + b"\n",
-                f"{base}/unit.json",
+                posixpath.join(base, layout.UNIT_RECORD),
                 0o600,
             ),
         ]
-        hidden = secret_files(r.launch.secrets, r.unit.spec.secret_env, os.environ)
-        files.extend((body, f"{base}/{name}", 0o600) for name, body in hidden.items())
+        hidden = secret_files(r.launch.secrets, r.unit.spec.secret_env, self.resolved.values)
+        files.extend((body, posixpath.join(base, name), 0o600) for name, body in hidden.items())
         return files
 
     def _content_of(self, r: Rendered) -> dict[str, str | None]:
@@ -452,12 +394,13 @@ class HostRun(Readiness):
                 continue
             self.emit(name, "changed", "stop", f"stopped ({stopped_text(res)}; logs kept)")
 
-    def _orphans(self) -> None:
-        """Name every orphan; with --prune, stop them first (proven group only, grace, GPU
-        release) and move their folders to units/.pruned/, logs included."""
+    def _orphans(self, prune: bool) -> None:
+        """Name every orphan; with ``prune`` (--prune, not --check), stop them first (proven
+        group only, grace, GPU release) and move their folders to units/.pruned/, logs
+        included."""
         if not self.orphans:
             return
-        if not self.opts.prune or self.opts.check:
+        if not prune:
             for o in self.orphans:
                 verb = "--prune would stop it" if self.opts.prune else ways_out(o.name)
                 self.emit(

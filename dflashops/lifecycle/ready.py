@@ -14,18 +14,18 @@ from dataclasses import dataclass, field
 from dflashops.agent.answers import UnitProbe
 from dflashops.changes.units import Change
 from dflashops.changes.verdicts import (
-    health_text,
+    Pending,
+    Ready,
     probe_spec,
+    readiness,
     ready_settings,
     stop_problem,
     stopped_text,
 )
-from dflashops.engines import identity
 from dflashops.engines.render import Rendered
 from dflashops.lifecycle.options import Board, Interrupted, Options
 from dflashops.lifecycle.session import HostSession
 from dflashops.lifecycle.spans import label, span_of
-from dflashops.plan.supervision import restart_policy
 
 POLL = 0.25  # s between readiness checks on the host (at most: a unit's interval may be less)
 REPORT_EVERY = 2.0  # s between the host's progress reports while it waits
@@ -77,23 +77,20 @@ class Readiness(HostSession):
         pending = {r.unit.name: r for r in units}
         started = time.monotonic()
         deadline = {n: started + ready_settings(r).timeout for n, r in pending.items()}
-        last: dict[str, str] = {}
         for name, r in list(pending.items()):
             c = changes.get(name)
             fresh = c is not None and c.runs_after
-            if (
-                first
-                and name in first
-                and not fresh
-                and self._judge(r, first[name], c, False, last)
-            ):
+            if first and name in first and not fresh and self._judge(r, first[name], c, False):
                 del pending[name]
         seen: dict[str, UnitProbe] = {}  # the last full probe of each unit
         while pending:
             if self._span_casualties(pending):
                 continue
             now = time.monotonic()
-            specs = [(probe_spec(r), max(0.0, deadline[n] - now)) for n, r in pending.items()]
+            specs = [
+                (probe_spec(r, self.resolved.values), max(0.0, deadline[n] - now))
+                for n, r in pending.items()
+            ]
             poll = min([POLL] + [ready_settings(r).interval for r in pending.values()])
             held = {n for n, r in pending.items() if self._held(r)}
             stream = self.agent.wait(
@@ -114,9 +111,9 @@ class Readiness(HostSession):
                         if name not in report.done and not late:
                             continue  # a progress line: the host's rule says it is not done yet
                         late = late or name in report.done
-                        if self._judge(pending[name], p, changes.get(name), late, last):
+                        if self._judge(pending[name], p, changes.get(name), late):
                             del pending[name]
-                    if self._joined(held, pending, seen, changes, last):
+                    if self._joined(held, pending, seen, changes):
                         break  # the host still watches them: a new wait, without hold
                     if pending:
                         self.board(
@@ -139,7 +136,6 @@ class Readiness(HostSession):
         pending: dict[str, Rendered],
         seen: dict[str, UnitProbe],
         changes: dict[str, Change],
-        last: dict[str, str],
     ) -> bool:
         """Ranks watched while their unit got ready: it is, and they still run (a probe from
         before their banner: the next wait, without hold, says). True when there were any."""
@@ -151,7 +147,7 @@ class Readiness(HostSession):
             if (
                 got is not None
                 and got.banner is not None
-                and self._judge(pending[name], got, changes.get(name), False, last)
+                and self._judge(pending[name], got, changes.get(name), False)
             ):
                 del pending[name]
         return bool(joined)
@@ -226,73 +222,19 @@ class Readiness(HostSession):
                     f"stopped with the rest of {r.unit.service} ({stopped_text(res)}; logs kept)",
                 )
 
-    def _judge(
-        self, r: Rendered, p: UnitProbe | None, c: Change | None, late: bool, last: dict[str, str]
-    ) -> bool:
-        """True when the unit's wait is over (ready, drifted, dead or timed out)."""
+    def _judge(self, r: Rendered, p: UnitProbe | None, c: Change | None, late: bool) -> bool:
+        """Act on the unit's readiness verdict (changes/verdicts.py): True when its wait is
+        over (ready, drifted, dead or timed out)."""
         name = r.unit.name
-        if p is None:
-            self.fail(name, "ready", "the probe returned nothing for this unit")
-            return True
-        restarting = p.supervisor is not None and p.supervisor.restarting
-        if not (p.alive and p.ours) or restarting:
-            code = (
-                f"exit code {p.exit.code}" if p.exit and p.exit.code is not None else "no exit code"
-            )
-            log = "\n".join(f"    {line}" for line in (p.log_tail or [])) or "    (log is empty)"
-            then = ""
-            if span_of(r.unit) in self.spans:
-                then = "; the unit stops on every host"  # see _settle_spans
-            elif restarting and p.supervisor is not None:
-                then = (
-                    f"; its supervisor restarts it ({restart_policy(r.unit)}, in "
-                    f"{p.supervisor.next_start_in or 0:g}s): `dflashops stop --unit {name}` ends that"
-                )
-            self.fail(
-                name, "ready", f"died while starting ({code}){then}; last lines of its log:\n{log}"
-            )
-            return True
-        healthy = (
-            r.unit.port is None
-            or r.launch.health_path is None
-            or (p.health is not None and p.health.status == 200)
-        )
-        if not healthy:
-            last[name] = health_text(p)
-            if late:
-                timeout = ready_settings(r).timeout
-                after = (
-                    "stopped with the unit's other parts (logs kept)"
-                    if span_of(r.unit) in self.spans
-                    else "left running for inspection"
-                )
-                self.fail(
-                    name,
-                    "ready",
-                    f"not ready after {timeout:.0f}s (last probe: {last[name]}); {after}",
-                )
-                return True
+        verdict = readiness(r, p, fresh=c is not None and c.runs_after, late=late)
+        if isinstance(verdict, Pending):
             return False
-        mismatches = identity.check(r, p)
-        if mismatches:
-            self.fail(
-                name,
-                "verify",
-                "drifted: the running unit is not the one rendered\n"
-                + identity.describe(mismatches),
-            )
+        if not isinstance(verdict, Ready):
+            self.fail(name, verdict.action, verdict.message)
             return True
         self.ready.add(name)
         span = span_of(r.unit)
-        if span in self.spans and r.unit.port is not None and r.launch.health_path is not None:
+        if verdict.head and span is not None:
             self.opts.spans.mark_ready(span)  # its head: every rank has joined it
-        fresh = c is not None and c.runs_after
-        self.emit(
-            name,
-            "ok" if not fresh else "changed",
-            "ready",
-            f"ready and verified (pid {p.pid}, fingerprint {r.short})"
-            if fresh
-            else f"ok (pid {p.pid}, fingerprint {r.short})",
-        )
+        self.emit(name, verdict.status, "ready", verdict.message)
         return True

@@ -7,11 +7,13 @@ transfer.py) is never imported from here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from dflashops.agent import Agent
 from dflashops.agent.answers import HostFacts
+from dflashops.agent.remote import layout
 from dflashops.changes.orphans import Orphan, find
 from dflashops.changes.verdicts import probe_spec
 from dflashops.config.inventory import Host
@@ -20,6 +22,7 @@ from dflashops.errors import HostError
 from dflashops.events import EventLog
 from dflashops.hosts import connect
 from dflashops.hosts.base import BaseConnection
+from dflashops.lifecycle.secrets import Secrets, resolve
 from dflashops.plan.nodestate import NodeState, local_scan
 
 
@@ -35,8 +38,15 @@ class HostSession:
     peers: dict[str, Host] = field(default_factory=dict)  # the inventory: relay sources
     orphans: list[Orphan] = field(default_factory=list)
     warm: BaseConnection | None = None  # opened while pre-flight ran (prewarm.py)
+    secrets: Secrets | None = None  # resolved here (secrets.py) unless given
 
     def __post_init__(self) -> None:
+        # The one read of the controller's environment for this host's run, and the one
+        # registration of what it holds for redaction.
+        if self.secrets is None:
+            self.secrets = resolve(self.host, self.rendered, self.node, os.environ)
+        self.resolved: Secrets = self.secrets
+        self.events.add_secrets(self.resolved.redacted())
         self.conn = self.warm if self.warm is not None else connect(self.host)
         # One agent kept for the run: facts, write, stop, start and wait are requests to it,
         # not a new interpreter each (round trips stay; processes and their start-up go).
@@ -64,7 +74,7 @@ class HostSession:
         self.events.emit(self.host.name, unit, status, action, message, **data)  # type: ignore[arg-type]
 
     def unit_dir(self, name: str) -> str:
-        return f"{self.workdir}/units/{name}"
+        return layout.unit_dir(self.workdir, name)
 
     def gather(self, probe: bool = False, rerun: bool = False) -> HostFacts:
         """Facts (with ``probe``: the services' probes too, for a deploy's first verdicts;
@@ -74,7 +84,11 @@ class HostSession:
             files=files_request(self.node),
             envs=envs_request(self.node),
             ports=[r.unit.port for r in self.rendered if r.unit.port is not None],
-            probes=[probe_spec(r) for r in self.rendered if r.unit.kind == "service"]
+            probes=[
+                probe_spec(r, self.resolved.values)
+                for r in self.rendered
+                if r.unit.kind == "service"
+            ]
             if probe
             else (),
             settled=None

@@ -97,7 +97,7 @@ class Stage:
             try:
                 specs.append(self._env_spec(env))
             except DflashopsError as exc:
-                self._env_failed(env, str(exc).removeprefix(f"[{self.session.host.name}] "))
+                self._env_failed(env, exc.message_for(self.session.host.name))
         results = self.agent.build(self.session.workdir, specs)
         for env in todo:
             res = results.get(env.name)
@@ -198,7 +198,7 @@ class Stage:
                     "relay": self._relay,
                 }[f.kind](f, state)
             except DflashopsError as exc:
-                self._entry(f, "failed", str(exc).removeprefix(f"[{self.session.host.name}] "))
+                self._entry(f, "failed", exc.message_for(self.session.host.name))
 
     def _entry(self, f: FilePlan, outcome: State, message: str, **data: Any) -> None:
         self.entries[f.key] = outcome
@@ -306,12 +306,12 @@ class Stage:
                 f"would download hf {f.src}@{f.revision or 'main'} on the host and copy what differs",
             )
             return
-        missing = [v for v in f.entry.secret_env.values() if v not in os.environ]
+        resolved = self.session.resolved  # the run's secrets, registered for redaction once
+        missing = [v for v in f.entry.secret_env.values() if v not in resolved.values]
         if missing:
             self._entry(f, "failed", f"secret_env needs {', '.join(missing)} set on the controller")
             return
-        secrets = {k: os.environ[v] for k, v in f.entry.secret_env.items()}
-        self.session.events.add_secrets(secrets.values())
+        secrets = {k: resolved.values[v] for k, v in f.entry.secret_env.items()}
         self._copy(f, hub={"repo": f.src, "revision": f.revision}, secrets=secrets)
 
     def _copy(self, f: FilePlan, **how: Any) -> None:

@@ -85,10 +85,9 @@ def test_unit_records_name_where_the_key_is_never_the_key(
         "file": "secret-args.env",
         "name": "DFLASHOPS_SECRET_ARG_0",
     }
-    # The controller's probes: the key from its environment.
-    assert auth_headers(vl) == {"Authorization": f"Bearer {KEY}"}
-    monkeypatch.delenv("CTL_KEY")
-    assert auth_headers(vl) == {}
+    # The controller's probes: the key from its environment, as the run resolved it.
+    assert auth_headers(vl, {"CTL_KEY": KEY}) == {"Authorization": f"Bearer {KEY}"}
+    assert auth_headers(vl, {}) == {}
 
 
 def test_secret_files_carry_values_that_yaml_and_bash_read_back(tmp_path: Path) -> None:
