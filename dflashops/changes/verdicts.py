@@ -22,6 +22,7 @@ from dflashops.engines import identity
 from dflashops.engines.render import Rendered
 from dflashops.engines.secrets import auth_headers as secret_auth
 from dflashops.lifecycle.spans import span_of
+from dflashops.plan.model import dial_host
 from dflashops.plan.supervision import policy, restart_policy
 
 
@@ -89,7 +90,7 @@ def probe_spec(r: Rendered, secrets: Mapping[str, str], metrics: bool = False) -
     bind = getattr(spec, "bind", "127.0.0.1")
     return ProbeSpec(
         name=r.unit.name,
-        host="127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind,
+        host=dial_host(bind),
         port=r.unit.port,
         health_path=r.launch.health_path,
         identity_paths=identity.identity_paths(r.unit.engine),

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import Host
 from dflashops.errors import DflashopsError, HostBusy
 
@@ -44,7 +43,7 @@ class Outcome(Generic[T]):
 def on_hosts(
     hosts: Sequence[Host],
     fn: Callable[[Host], T],
-    forks: int = DEFAULT_FORKS,
+    forks: int,
     abort: threading.Event | None = None,
 ) -> dict[str, Outcome[T]]:
     """Run ``fn`` for every host, at most ``forks`` at a time; results in the hosts' order.

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from dflashops.config.playbook import Job, ModelService
 from dflashops.errors import Problem
-from dflashops.plan.model import Unit
+from dflashops.plan.model import Unit, dial_host
 from dflashops.plan.nodestate import NodeState
 
 
@@ -98,5 +98,5 @@ def link_jobs(units: list[Unit], node: NodeState, problems: list[Problem]) -> li
 
 def _url_host(unit: Unit) -> str:
     bind = unit.spec.bind if not isinstance(unit.spec, Job) else "127.0.0.1"
-    host = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+    host = dial_host(bind)
     return f"[{host}]" if ":" in host else host

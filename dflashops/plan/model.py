@@ -90,3 +90,9 @@ Where = Callable[[str], Problem]  # turns a message into a located problem
 
 def locator(book: Playbook, path: PathKey, prefix: str) -> Where:
     return lambda message: book.doc.problem(path, prefix + message)
+
+
+def dial_host(bind: str | None) -> str:
+    """The address a server bound to ``bind`` is dialled at from its own host (probes,
+    liveness, the servers list): a wildcard bind is reached on loopback."""
+    return "127.0.0.1" if bind in (None, "0.0.0.0", "::", "") else bind

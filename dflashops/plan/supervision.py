@@ -10,6 +10,7 @@ from typing import Any
 from dflashops.config.playbook import Job
 from dflashops.engines import secrets
 from dflashops.plan import Unit
+from dflashops.plan.model import dial_host
 
 
 def restart_policy(unit: Unit) -> str:
@@ -27,7 +28,7 @@ def policy(unit: Unit) -> dict[str, Any]:
         # Never the key itself (unit.json is not a secret file): where the supervisor reads it.
         bearer = secrets.bearer(unit, secrets.split(unit))
         liveness = {
-            "host": "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind,
+            "host": dial_host(bind),
             "port": unit.port,
             "path": probe.path,
             "interval": probe.interval,

@@ -483,6 +483,7 @@ def rendezvous(head: Unit, hosts: dict[str, Host], head_facts: HostFacts | None 
                     h.name,
                     5.0,
                 ),
+                forks=len(workers),  # a unit's ranks dial at once: a handful of hosts
             )
             finish()
     finally:
