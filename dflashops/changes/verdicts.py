@@ -21,8 +21,7 @@ from dflashops.config.playbook import Ready as ReadySettings
 from dflashops.engines import identity
 from dflashops.engines.render import Rendered
 from dflashops.engines.secrets import auth_headers as secret_auth
-from dflashops.lifecycle.spans import span_of
-from dflashops.plan.model import dial_host
+from dflashops.plan.model import dial_host, span_of
 from dflashops.plan.supervision import policy, restart_policy
 
 

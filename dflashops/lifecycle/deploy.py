@@ -35,8 +35,8 @@ from dflashops.engines.render import Rendered
 from dflashops.engines.secrets import files as secret_files
 from dflashops.hosts.inert import inert
 from dflashops.lifecycle.ready import Readiness
-from dflashops.lifecycle.spans import span_of
 from dflashops.lifecycle.stage import Stage
+from dflashops.plan.model import span_of
 from dflashops.preflight.parsers import before_restart
 
 MEET_TIMEOUT = 120.0  # s a host waits for the other hosts of a unit to restart it together

@@ -25,7 +25,7 @@ from dflashops.changes.verdicts import (
 from dflashops.engines.render import Rendered
 from dflashops.lifecycle.options import Board, Interrupted, Options
 from dflashops.lifecycle.session import HostSession
-from dflashops.lifecycle.spans import label, span_of
+from dflashops.plan.model import label, span_of
 
 POLL = 0.25  # s between readiness checks on the host (at most: a unit's interval may be less)
 REPORT_EVERY = 2.0  # s between the host's progress reports while it waits

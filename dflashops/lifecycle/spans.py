@@ -22,21 +22,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dflashops.plan import Unit
-
-
-def span_of(unit: Unit) -> str | None:
-    """The unit over several hosts this part belongs to (playbook/service), if any."""
-    if unit.multi_node or unit.cluster:
-        return f"{unit.playbook.name}/{unit.service}"
-    return None
-
-
-def label(unit: Unit) -> str:
-    """How the other hosts name this part: ``big-ray (rank 1 of 2) on h1``."""
-    rank = f" (rank {unit.rank} of {len(unit.nodes)})" if unit.multi_node else ""
-    return f"{unit.name}{rank} on {unit.host.name}"
-
 
 @dataclass
 class Spans:

@@ -96,3 +96,16 @@ def dial_host(bind: str | None) -> str:
     """The address a server bound to ``bind`` is dialled at from its own host (probes,
     liveness, the servers list): a wildcard bind is reached on loopback."""
     return "127.0.0.1" if bind in (None, "0.0.0.0", "::", "") else bind
+
+
+def span_of(unit: Unit) -> str | None:
+    """The unit over several hosts this part belongs to (playbook/service), if any."""
+    if unit.multi_node or unit.cluster:
+        return f"{unit.playbook.name}/{unit.service}"
+    return None
+
+
+def label(unit: Unit) -> str:
+    """How the other hosts name this part: ``big-ray (rank 1 of 2) on h1``."""
+    rank = f" (rank {unit.rank} of {len(unit.nodes)})" if unit.multi_node else ""
+    return f"{unit.name}{rank} on {unit.host.name}"
