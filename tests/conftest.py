@@ -9,7 +9,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -25,6 +25,13 @@ def unless(available: bool, reason: str) -> pytest.MarkDecorator:
     test runs and fails, so CI cannot pass by skipping it."""
     in_ci = os.environ.get("CI", "").lower() == "true"
     return pytest.mark.skipif(not available and not in_ci, reason=reason)
+
+
+def missing(reason: str) -> NoReturn:
+    """What `unless` does, decided inside a test or fixture: skip here, fail under CI=true."""
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(reason)
+    pytest.skip(reason)
 
 
 def _ipv6_loopback() -> bool:

@@ -10,7 +10,6 @@ import hashlib
 import io
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +18,6 @@ import pytest
 from dflashops.agent.bundle import bundle, command
 from dflashops.agent.remote import bounded, receive, tree
 from tests.unit.agent.test_units import HOST_PYTHON, Host
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> Iterator[Host]:
-    h = Host(tmp_path / "wd")
-    try:
-        yield h
-    finally:
-        h.cleanup()
 
 
 def age(path: Path, seconds_ago: float) -> None:

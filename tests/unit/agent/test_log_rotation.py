@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dflashops.agent.remote import logs
+from tests.conftest import missing
 from tests.procs import wait_for
 from tests.unit.agent.test_units import Host, group
 
@@ -29,15 +30,6 @@ SPEW = (
     "    sys.stdout.write('line %06d pid %d %s\\n' % (i, os.getpid(), 'x' * (i % 97)))\n"
     "    sys.stdout.flush()\n"
 )
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> Iterator[Host]:
-    h = Host(tmp_path / "wd")
-    try:
-        yield h
-    finally:
-        h.cleanup()
 
 
 def unit_record(host: Host, name: str, **supervise: object) -> None:
@@ -113,7 +105,7 @@ def small_disk(tmp_path: Path) -> Iterator[Host]:
     wd.mkdir()
     mount = shutil.which("mount")
     if os.geteuid() != 0 or mount is None:
-        pytest.skip("a full disk is made with a size-limited tmpfs: needs root and mount(8)")
+        missing("a full disk is made with a size-limited tmpfs: needs root and mount(8)")
     done = subprocess.run(
         [mount, "-t", "tmpfs", "-o", "size=4m,mode=0755", "tmpfs", str(wd)],
         capture_output=True,
@@ -121,7 +113,7 @@ def small_disk(tmp_path: Path) -> Iterator[Host]:
         check=False,
     )
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        missing(f"cannot mount a tmpfs here: {done.stderr.strip()}")
     h = Host(wd)
     try:
         yield h

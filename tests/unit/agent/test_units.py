@@ -18,7 +18,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -215,15 +214,6 @@ class Host:
             for pipe in (proc.stdin, proc.stdout):
                 if pipe is not None:
                     pipe.close()
-
-
-@pytest.fixture
-def host(tmp_path: Path) -> Iterator[Host]:
-    h = Host(tmp_path / "wd")
-    try:
-        yield h
-    finally:
-        h.cleanup()
 
 
 @pytest.fixture
