@@ -138,3 +138,24 @@ def free_ports(count: int = 1) -> int:
 
 def free_port() -> int:
     return free_ports(1)
+
+
+def http_status(port: int, path: str, key: str | None = None, timeout: float = 5.0) -> int:
+    """The HTTP status of GET 127.0.0.1:PORT/PATH (with a Bearer ``key`` if given)."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def mode(path: Path) -> int:
+    """The permission bits of ``path`` itself (a link is not followed)."""
+    import stat as modes  # this module's own stat() reads /proc
+
+    return modes.S_IMODE(path.lstat().st_mode)

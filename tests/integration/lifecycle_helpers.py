@@ -65,16 +65,6 @@ def http_json(port: int, path: str, timeout: float = 5.0) -> Any:
         return json.loads(resp.read())
 
 
-def http_status(port: int, path: str, timeout: float = 5.0) -> int:
-    import urllib.error
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-
-
 # ------------------------------------------------------------------------------ host files
 
 

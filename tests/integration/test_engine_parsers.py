@@ -14,10 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fleet import FleetFactory
-from lifecycle_helpers import Ops, engine_pid, http_status, sglang, unit_pid
+from lifecycle_helpers import Ops, engine_pid, sglang, unit_pid
 
 from tests.conftest import REPO, unless
-from tests.procs import alive, free_ports
+from tests.procs import alive, free_ports, http_status
 
 PARSERS_PYTHON = REPO / ".venv-parsers" / "bin" / "python"
 needs_parsers = unless(

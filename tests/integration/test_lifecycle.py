@@ -39,7 +39,6 @@ from lifecycle_helpers import (
     foreign_process,
     gpu_procs,
     http_json,
-    http_status,
     job,
     pid_record,
     sglang,
@@ -51,7 +50,16 @@ from lifecycle_helpers import (
 
 import dflashops.commands.deploy
 from dflashops.lifecycle.options import Options
-from tests.procs import alive, all_pids, boot_id, free_ports, group_members, start_time, wait_for
+from tests.procs import (
+    alive,
+    all_pids,
+    boot_id,
+    free_ports,
+    group_members,
+    http_status,
+    start_time,
+    wait_for,
+)
 from tests.procs import stat as proc_stat
 
 AUX_SERVER = ["/usr/bin/python3", "-m", "http.server", "--bind", "127.0.0.1", "{port}"]

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fleet import FleetFactory, FleetHost
-from lifecycle_helpers import MODEL, READY, Ops, http_json, http_status, unit_dir
+from lifecycle_helpers import MODEL, READY, Ops, http_json, unit_dir
 
 from tests.conftest import unless
-from tests.procs import free_ports, wait_for
+from tests.procs import free_ports, http_status, wait_for
 
 
 def two_node_book(port: int, dist: int, model: str = MODEL) -> dict[str, object]:

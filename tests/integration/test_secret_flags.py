@@ -8,9 +8,6 @@ The files holding it, the unit's records and logs are the host user's alone."""
 from __future__ import annotations
 
 import json
-import stat
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,25 +16,11 @@ from fleet import FleetFactory
 from lifecycle_helpers import READY, Ops, engine_pid, job, sglang, stub, unit_dir
 from test_supervision import Receiver, receiver  # noqa: F401 - the fixture
 
-from tests.procs import environ, free_ports, wait_for
+from tests.procs import environ, free_ports, http_status, mode, wait_for
 
 KEY = "sk-h5-7c0ffee15-secret-key"
 MULTI = "multi-line-first-half\nmulti-line-second-half"
 LIVENESS = "/v1/models?probe=liveness"  # a path the key protects, seen in the stub's debug log
-
-
-def status_of(port: int, path: str, key: str | None) -> int:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-
-
-def mode(path: Path) -> int:
-    return stat.S_IMODE(path.lstat().st_mode)
 
 
 def test_an_api_key_given_by_secret_args_never_leaves_its_0600_files(
@@ -86,7 +69,9 @@ def test_an_api_key_given_by_secret_args_never_leaves_its_0600_files(
 
     # The engines demand the key they were given, each its own way.
     for p in (port, port + 1, port + 2):
-        assert status_of(p, "/v1/models", None) == 401 and status_of(p, "/v1/models", KEY) == 200
+        assert (
+            http_status(p, "/v1/models", None) == 401 and http_status(p, "/v1/models", KEY) == 200
+        )
     vllm_pid = engine_pid(host, "vllm-0")
     assert environ(vllm_pid).get("VLLM_API_KEY") == KEY
     for unit in ("sglang-0", "stub-0"):

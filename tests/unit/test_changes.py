@@ -79,7 +79,11 @@ def unit_state(r: Rendered, state: str) -> dict[str, Any]:
     }
 
 
-def host_facts(units: dict[str, dict[str, Any]], payloads: dict[str, str]) -> HostFacts:
+def host_facts(
+    units: dict[str, Any], payloads: dict[str, str], more: dict[str, Any] | None = None
+) -> HostFacts:
+    """Facts of host h; ``more``: gpus_available, gpu_processes, listening."""
+    more = more or {}
     return HostFacts.model_validate(
         {
             "host": "h",
@@ -93,8 +97,13 @@ def host_facts(units: dict[str, dict[str, Any]], payloads: dict[str, str]) -> Ho
             "workdir": "/w",
             "workdir_exists": True,
             "disk": None,
-            "gpus": {"available": False, "error": None, "devices": [], "processes": []},
-            "listening": [],
+            "gpus": {
+                "available": more.get("gpus_available", False),
+                "error": None,
+                "devices": [],
+                "processes": more.get("gpu_processes", []),
+            },
+            "listening": more.get("listening", []),
             "payloads": payloads,
             "units": units,
             "imports": {},

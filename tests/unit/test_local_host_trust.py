@@ -7,9 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -17,24 +14,10 @@ import pytest
 import yaml
 
 from dflashops.cli import main
-from tests.procs import free_port, group_members, wait_for
+from tests.procs import free_port, group_members, http_status, mode, wait_for
 
 KEY = "sk-local-5f1e2d3c4b5a-key"
 AWS = "aws-secret-only-in-the-operators-shell"
-
-
-def status_of(port: int, key: str | None) -> int:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=5) as resp:
-            return int(resp.status)
-    except urllib.error.HTTPError as exc:
-        return int(exc.code)
-
-
-def mode(path: Path) -> int:
-    return stat.S_IMODE(path.lstat().st_mode)
 
 
 def write_project(tmp_path: Path, port: int) -> Path:
@@ -112,7 +95,10 @@ def test_local_units_get_a_clean_environment_and_private_files(
             assert KEY.encode() not in b" ".join(argv)
         assert any(a.endswith(b"/secret-args.yaml") for a in argv) and b"--config" in argv
         # The stub got the key from its --config file: it demands it.
-        assert status_of(port, None) == 401 and status_of(port, KEY) == 200
+        assert (
+            http_status(port, "/v1/models", None) == 401
+            and http_status(port, "/v1/models", KEY) == 200
+        )
         assert AWS not in Path(f"/proc/{engines[0]}/environ").read_text(errors="replace")
 
         for text in (

@@ -32,6 +32,7 @@ from dflashops.changes.verdicts import (
 from dflashops.config.load import load_inventory, load_playbook
 from dflashops.engines.render import Rendered, render_plan
 from dflashops.plan import build_plan
+from tests.unit.test_changes import host_facts, shipped
 
 OPERATIONS = Path(__file__).parents[1] / "operations"
 CASES = sorted(OPERATIONS.glob("*/*.json"))
@@ -124,49 +125,11 @@ def unit_facts(name: str, how: str | dict[str, Any], rendered: dict[str, Rendere
     }
 
 
-def host_facts(
-    units: dict[str, Any], payloads: dict[str, str], more: dict[str, Any] | None = None
-) -> HostFacts:
-    more = more or {}
-    return HostFacts.model_validate(
-        {
-            "host": "h",
-            "hostname": "h",
-            "time": 0.0,
-            "python": "3.11.2",
-            "python_executable": "/usr/bin/python3",
-            "boot_id": BOOT,
-            "clock_ticks": 100,
-            "uptime_s": 1.0,
-            "workdir": "/w",
-            "workdir_exists": True,
-            "disk": None,
-            "gpus": {
-                "available": True,
-                "error": None,
-                "devices": [],
-                "processes": more.get("gpu_processes", []),
-            },
-            "listening": more.get("listening", []),
-            "payloads": payloads,
-            "units": units,
-            "imports": {},
-            "paths": {},
-        }
-    )
-
-
-def shipped(rendered: dict[str, Rendered]) -> dict[str, str]:
-    return {
-        f.remote.removeprefix("payloads/"): f.sha256 for r in rendered.values() for f in r.files
-    }
-
-
 def facts_of(case: dict[str, Any], rendered: dict[str, Rendered]) -> HostFacts:
     facts = case["facts"]
     units = {n: unit_facts(n, how, rendered) for n, how in facts.get("units", {}).items()}
     payloads = shipped(rendered) if facts.get("payloads", True) else {}
-    return host_facts(units, payloads, facts)
+    return host_facts(units, payloads, {"gpus_available": True, **facts})
 
 
 # ---------------------------------------------------------------------------- operations
