@@ -33,6 +33,16 @@ State = Literal["ok", "changed", "waiting", "failed"]
 COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 
 
+@dataclass(frozen=True)
+class Change:
+    """What one step decided to change: ``would`` says it (--check), ``apply`` makes it. The
+    step judges the same way with or without --check; only ``Stage.carry_out`` tells them
+    apart."""
+
+    would: Callable[[], None]
+    apply: Callable[[], None]
+
+
 @dataclass
 class Stage:
     """The step on one host's session; ``check``: say what would change, change nothing;
@@ -53,9 +63,12 @@ class Stage:
 
     def expected(self, key: str) -> str | None:
         """What the entry's dest holds after this deploy (with --check: will hold)."""
-        if self.check and self.entries.get(key) == "changed":
-            return self.targets.get(key)
         return self.digests.get(key)
+
+    def carry_out(self, change: Change | None) -> None:
+        """The one place --check is read: say the change, or make it."""
+        if change is not None:
+            (change.would if self.check else change.apply)()
 
     @property
     def agent(self) -> Agent:
@@ -79,18 +92,25 @@ class Stage:
                 )
                 continue
             todo.append(env)
-        if not todo:
-            return
-        if self.check:
-            for env in todo:
-                what = ", ".join(env.spec.packages) or "requirements"
-                extra = f" and {len(env.inputs)} shipped input file(s)" if env.inputs else ""
-                self._env_event(
-                    env,
-                    "changed",
-                    f"environment {env.name} would be built at {env.path} (build {env.hash[:12]}: {what}{extra}){self._broken(env)}",
+        if todo:
+            self.carry_out(
+                Change(
+                    would=lambda: self._would_build(todo),
+                    apply=lambda: self._build(todo),
                 )
-            return
+            )
+
+    def _would_build(self, todo: list[EnvPlan]) -> None:
+        for env in todo:
+            what = ", ".join(env.spec.packages) or "requirements"
+            extra = f" and {len(env.inputs)} shipped input file(s)" if env.inputs else ""
+            self._env_event(
+                env,
+                "changed",
+                f"environment {env.name} would be built at {env.path} (build {env.hash[:12]}: {what}{extra}){self._broken(env)}",
+            )
+
+    def _build(self, todo: list[EnvPlan]) -> None:
         self.abort()
         specs = []
         for env in todo:
@@ -191,12 +211,13 @@ class Stage:
             try:
                 if not self._after_done(f):
                     continue
-                {
+                judge = {
                     "controller": self._controller,
                     "host": self._host,
                     "hf": self._hub,
                     "relay": self._relay,
-                }[f.kind](f, state)
+                }[f.kind]
+                self.carry_out(judge(f, state))
             except DflashopsError as exc:
                 self._entry(f, "failed", exc.message_for(self.session.host.name))
 
@@ -212,6 +233,15 @@ class Stage:
         self.session.emit(
             None, status, "files", f"{f.label} -> {f.dest}: {message}", entry=f.key, **data
         )
+
+    def _change(self, f: FilePlan, would: str, apply: Callable[[], None], **data: Any) -> Change:
+        """The entry's change; said under --check, the dest counts as holding the source."""
+
+        def say() -> None:
+            self.digests[f.key] = self.targets.get(f.key)
+            self._entry(f, "changed", would, **data)
+
+        return Change(would=say, apply=apply)
 
     def _after_done(self, f: FilePlan) -> bool:
         if f.entry.after_parts is None:
@@ -237,18 +267,23 @@ class Stage:
 
     def _send(
         self, f: FilePlan, state: FileState, local: Path, src: dict[str, tuple[int, str | None]]
-    ) -> None:
+    ) -> Change | None:
         plan = diff(src, listing(state.files), state.parts or {}, f.entry.delete)
         if plan.empty:
             self._entry(f, "ok", f"ok ({len(src)} file(s))")
-            return
+            return None
         if (why := space_problem(plan.bytes, state, f.dest)) is not None:
             self._entry(f, "failed", why)
-            return
-        what = moving(plan)
-        if self.check:
-            self._entry(f, "changed", f"would send {what}", bytes=plan.bytes, files=len(plan.send))
-            return
+            return None
+        return self._change(
+            f,
+            f"would send {moving(plan)}",
+            lambda: self._upload(f, local, plan),
+            bytes=plan.bytes,
+            files=len(plan.send),
+        )
+
+    def _upload(self, f: FilePlan, local: Path, plan: Transfer) -> None:
         res = upload(self.agent, self.session.workdir, f.dest, local, plan, f.entry.mode_bits)
         self.digests[f.key] = res.digest
         if not res.ok:
@@ -259,36 +294,35 @@ class Stage:
                 f"{res.error or failed} ({len(res.written)} of {len(plan.send)} file(s) arrived and are in place)",
             )
             return
-        self._entry(f, "changed", f"sent {what}", bytes=plan.bytes, files=len(plan.send))
+        self._entry(f, "changed", f"sent {moving(plan)}", bytes=plan.bytes, files=len(plan.send))
 
-    def _controller(self, f: FilePlan, state: FileState) -> None:
+    def _controller(self, f: FilePlan, state: FileState) -> Change | None:
         assert f.local is not None
         scanned = local_scan(f.local)
         src = listing(scanned["files"])
         self.targets[f.key] = scanned["digest"]
         if state.digest is not None and state.digest == scanned["digest"]:
             self._entry(f, "ok", f"ok ({len(src)} file(s))")
-            return
-        self._send(f, state, f.local, src)
+            return None
+        return self._send(f, state, f.local, src)
 
-    def _host(self, f: FilePlan, state: FileState) -> None:
+    def _host(self, f: FilePlan, state: FileState) -> Change | None:
         src = state.src
         self.targets[f.key] = src.digest if src is not None else None
         if src is not None and not src.exists:
             self._entry(
                 f, "failed", f"the source {f.src} does not exist on {self.session.host.name}"
             )
-            return
+            return None
         if src is not None and src.digest is not None and src.digest == state.digest:
             self._entry(f, "ok", f"ok (same as {f.src})")
-            return
-        if self.check:
-            size = f", {human(src.bytes)} in the source" if src is not None else ""
-            self._entry(f, "changed", f"would copy what differs from {f.src}{size}")
-            return
-        self._copy(f, src=f.src)
+            return None
+        size = f", {human(src.bytes)} in the source" if src is not None else ""
+        return self._change(
+            f, f"would copy what differs from {f.src}{size}", lambda: self._copy(f, src=f.src)
+        )
 
-    def _hub(self, f: FilePlan, state: FileState) -> None:
+    def _hub(self, f: FilePlan, state: FileState) -> Change | None:
         origin = state.origin or {}
         pinned = f.revision is not None and COMMIT_RE.fullmatch(f.revision) is not None
         if (
@@ -298,14 +332,14 @@ class Stage:
             and origin.get("digest") == state.digest
         ):
             self._entry(f, "ok", f"ok (hf {f.src}@{f.revision[:12]})")  # type: ignore[index]
-            return
-        if self.check:
-            self._entry(
-                f,
-                "changed",
-                f"would download hf {f.src}@{f.revision or 'main'} on the host and copy what differs",
-            )
-            return
+            return None
+        return self._change(
+            f,
+            f"would download hf {f.src}@{f.revision or 'main'} on the host and copy what differs",
+            lambda: self._download(f),
+        )
+
+    def _download(self, f: FilePlan) -> None:
         resolved = self.session.resolved  # the run's secrets, registered for redaction once
         missing = [v for v in f.entry.secret_env.values() if v not in resolved.values]
         if missing:
@@ -334,31 +368,39 @@ class Stage:
             files=len(res.copied),
         )
 
-    def _relay(self, f: FilePlan, state: FileState) -> None:
+    def _relay(self, f: FilePlan, state: FileState) -> Change | None:
         assert f.src_host is not None
         peer = self.session.peer(f.src_host)
         found = peer.scan(self.session.peer_workdir(f.src_host), f.src).tree
         if found is None or not found.exists:
             self._entry(f, "failed", f"the source {f.src_host}:{f.src} does not exist")
-            return
+            return None
         src = listing(found.files)
         self.targets[f.key] = found.digest
         if state.digest is not None and state.digest == found.digest:
             self._entry(f, "ok", f"ok (same as {f.src_host}:{f.src})")
-            return
+            return None
+        plan = diff(src, listing(state.files), state.parts or {}, f.entry.delete)
+        return self._change(
+            f,
+            f"would relay {moving(plan)} from {f.src_host} through the controller",
+            lambda: self._pull_and_send(f, state, src),
+            bytes=plan.bytes,
+        )
+
+    def _pull_and_send(
+        self, f: FilePlan, state: FileState, src: dict[str, tuple[int, str | None]]
+    ) -> None:
+        assert f.src_host is not None
         staging = relay_dir(f)
-        if self.check:
-            plan = diff(src, listing(state.files), state.parts or {}, f.entry.delete)
-            self._entry(
-                f,
-                "changed",
-                f"would relay {moving(plan)} from {f.src_host} through the controller",
-                bytes=plan.bytes,
-            )
-            return
         private(staging)
         _, failed = pull(
-            peer, self.session.peer_workdir(f.src_host), f.src, src, staging, timeout=6 * 3600
+            self.session.peer(f.src_host),
+            self.session.peer_workdir(f.src_host),
+            f.src,
+            src,
+            staging,
+            timeout=6 * 3600,
         )
         if failed:
             shown = "; ".join(f"{rel or f.src}: {why}" for rel, why in list(failed.items())[:3])
@@ -366,7 +408,8 @@ class Stage:
                 f, "failed", f"relay from {f.src_host} incomplete ({len(failed)} file(s)): {shown}"
             )
             return
-        self._send(f, state, staging, src)
+        if (send := self._send(f, state, staging, src)) is not None:
+            send.apply()  # pulled: the same judgement as a controller source, then made
         if self.entries.get(f.key) in ("ok", "changed"):
             # Verified on the host: the copy here is spent (a failed upload keeps it to resume).
             shutil.rmtree(staging, ignore_errors=True)

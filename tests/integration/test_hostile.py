@@ -116,6 +116,13 @@ def test_a_relay_from_a_hostile_host_writes_nothing_and_an_honest_relay_still_ar
             ],
         },
     )
+    check = ctl.run("deploy", "--check")
+    (would,) = [e for e in check.events if f"-> {target.dir / 'from-good'}:" in e["message"]]
+    assert "would relay 2 file(s), " in would["message"], check.explain()
+    assert would["message"].endswith(" from good through the controller"), check.explain()
+    relay = cache_dir() / "relay"
+    assert not relay.exists() or not list(relay.iterdir())  # --check pulls nothing
+
     res = ctl.run("deploy")
     assert res.code == 2, res.explain()
     hostile, honest = (
@@ -132,7 +139,6 @@ def test_a_relay_from_a_hostile_host_writes_nothing_and_an_honest_relay_still_ar
     assert (target.dir / "from-good" / "ab" / "x").exists()
     assert not (target.dir / "from-evil").exists()
 
-    relay = cache_dir() / "relay"
     assert not (relay / "x").exists() and not list(ctl.base.rglob("x"))[1:], list(
         ctl.base.rglob("x")
     )

@@ -73,6 +73,11 @@ def test_hub_files_come_through_the_real_hf_cli_offline_from_the_hubs_cache_layo
         ],
     }
     ctl.playbook("p", book)
+    check = ctl.run("deploy", "--check")
+    assert check.code == 0, check.explain()
+    assert "would download hf org/tiny@main on the host" in entry_of(check, latest)["message"]
+    assert not latest.exists() and not pinned.exists()  # --check runs no hf
+
     res = ctl.run("deploy")
     assert res.code == 0, res.explain()
     for dest in (latest, pinned):
