@@ -19,6 +19,28 @@ def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width)
 
 
+_verbose = False
+
+
+def set_verbose(on: bool) -> None:
+    """``-v``: show each remote call and its timing (``trace``), for the rest of the run."""
+    global _verbose
+    _verbose = on
+
+
+def verbose() -> bool:
+    return _verbose
+
+
+def trace(host: str, what: str, seconds: float) -> None:
+    """One remote call, with ``-v``: ``[h1] facts 0.084s``. On stderr: ``--json -`` and
+    ``status --json`` keep stdout to themselves."""
+    if _verbose:
+        console(stderr=True).print(
+            f"[dim]\\[{escape(host)}] {escape(inert(what))} {seconds:.3f}s[/]"
+        )
+
+
 def err(message: str) -> None:
     # Errors carry host text (an agent's stderr, a log's end): shown inert.
     console(stderr=True).print(f"[bold red]error:[/] {escape(inert(message))}")
