@@ -21,7 +21,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -384,3 +387,28 @@ def test_tracebacks_show_the_agents_source_lines_on_a_hit_and_a_miss(
         assert 'raise BadRequest(f"{what} must be an integer >= {minimum}")' in out, out
         assert "units[0].port must be an integer >= 0" in out
     assert (home / ".cache" / "dflashops-agent").is_dir()  # the second run was a hit
+
+
+def test_the_bundle_is_built_once_when_every_host_thread_asks_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A deploy's first agent call comes from every host thread together: one of them builds
+    (compresses the sources), the others wait for its bytes."""
+    from dflashops.agent import bundle as bundling
+
+    built = []
+    real = bundling.sources
+
+    def counted() -> dict[str, str]:
+        built.append(threading.get_ident())
+        time.sleep(0.05)  # long enough that the other threads arrive while it builds
+        return real()
+
+    monkeypatch.setattr(bundling, "sources", counted)
+    bundling._bundle.cache_clear()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            got = set(pool.map(lambda _: bundling.bundle(), range(16)))
+    finally:
+        bundling._bundle.cache_clear()
+    assert len(built) == 1 and len(got) == 1
