@@ -25,10 +25,10 @@ if grep -qs -- "$DFLASHOPS_DEMO_API_KEY" /proc/[0-9]*/cmdline; then
 fi
 echo "demo: the servers' API key is on no command line (ps shows: $(pgrep -a -f 'stub_engine' | head -n1 | cut -c1-100) ...)"
 for _ in $(seq 120); do
-    state=$($D status --host local --json .dflashops/demo-status.json >/dev/null 2>&1 || true
+    # `status --json`: one document on stdout, raw values (docs/operations.md has its schema).
+    state=$($D status --host local --unit generate --json 2>/dev/null |
             .venv/bin/python -c 'import json,sys
-rows=[json.loads(l) for l in open(".dflashops/demo-status.json")]
-print(next((r["state"] for r in rows if r.get("unit")=="generate"),"?"))')
+print(next((u["state"] for u in json.load(sys.stdin)["units"]), "?"))' || true)
     [[ "$state" == "done" || "$state" == "failed" || "$state" == "dead" ]] && break
     sleep 1
 done

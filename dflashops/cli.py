@@ -23,6 +23,8 @@ def _add(parser: argparse.ArgumentParser, opt: Option) -> None:
             kwargs["type"] = int
         if opt.choices:
             kwargs["choices"] = opt.choices
+        if opt.const is not None:
+            kwargs.update(nargs="?", const=opt.const)
     if opt.positional:
         parser.add_argument(opt.dest, **kwargs)  # type: ignore[arg-type]
         return
@@ -39,16 +41,34 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--version", action="version", version=f"dflashops {__version__}")
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        p = sub.add_parser(command.name, help=command.help, description=command.help)
+        p = sub.add_parser(
+            command.name,
+            help=command.help,
+            description=command.help,
+            epilog=command.details or None,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.set_defaults(_command=command)
-        for opt in command.options:
+        for opt in command.arguments:
             _add(p, opt)
     return top
 
 
+def subparser(top: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    found: argparse.ArgumentParser = sub.choices[name]
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = vars(parser().parse_args(argv))
+    top = parser()
+    # argparse reports a flag the subcommand does not know from the top parser, with the top
+    # usage; the subcommand's own usage is what helps (`dflashops deploy --bogus`).
+    namespace, extra = top.parse_known_args(argv)
+    args = vars(namespace)
     command: Command = args.pop("_command")
+    if extra:
+        subparser(top, command.name).error(f"unrecognized arguments: {' '.join(extra)}")
     args.pop("command")
     from dflashops.commands import execute
 

@@ -54,6 +54,11 @@ class HostError(DflashopsError):
     already shows the rest (``message_for``) instead of cutting the name off the text; ``str()``
     is ``[host] detail``, then ``. next_step`` where there is one."""
 
+    # The host answered (its sshd let us in) but cannot do what was asked: its outcome is
+    # "failed", not "unreachable", since the fix is in the inventory or on the host, not the
+    # network. Connection errors leave it False.
+    reached: bool = False
+
     def __init__(self, host: str, detail: str, next_step: str | None = None) -> None:
         self.host = host
         self.detail = detail
@@ -63,7 +68,10 @@ class HostError(DflashopsError):
     @property
     def reason(self) -> str:
         """What happened and what to do next, without the host's name."""
-        return f"{self.detail}. {self.next_step}" if self.next_step else self.detail
+        if not self.next_step:
+            return self.detail
+        stop = "" if self.detail.endswith((".", "?", "!")) else "."
+        return f"{self.detail}{stop} {self.next_step}"
 
     def message_for(self, host: str) -> str:
         return self.reason if host == self.host else str(self)
@@ -72,6 +80,8 @@ class HostError(DflashopsError):
 class HostBusy(HostError):
     """The host answered, but another actor holds its deploy lock: nothing was changed there.
     Reported as failed, not unreachable: the host is fine, the operator has to wait or unlock."""
+
+    reached = True
 
 
 class TransferError(HostError):

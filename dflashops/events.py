@@ -2,12 +2,14 @@
 
 Every step reports through an ``EventLog``: a line on the console in Ansible's shape
 (``changed: [b200] sglang-3 restarted (fingerprint ab12 -> cd34)``), a JSON object per line when
-``--json FILE`` is given, and counts for the recap. Secret values are redacted from all of it.
+``--json FILE`` is given (``--json -``: on stdout, and the lines for people on stderr, so that
+stdout stays parseable), and counts for the recap. Secret values are redacted from all of it.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -17,8 +19,10 @@ from typing import Any, Literal, TextIO
 
 from rich.console import Console
 
-from dflashops.hosts.inert import inert
-from dflashops.output import escape
+from dflashops.output import console as make_console
+from dflashops.output import escape, inert
+
+STDOUT = "-"  # --json -: the JSON goes to stdout
 
 Status = Literal["ok", "changed", "failed", "unreachable", "skipped", "info", "orphan", "waiting"]
 COLORS = {
@@ -65,13 +69,16 @@ class EventLog:
     def __init__(
         self, console: Console, json_path: str | None = None, quiet_ok: bool = False
     ) -> None:
-        self.console = console
+        # --json -: stdout is the JSON's; the lines for people go where ``console`` does
+        # unless that is stdout too (then to stderr).
+        self.takes_stdout = json_path == STDOUT
+        self.console = for_people(console, json_path)
         self.quiet_ok = quiet_ok
         self.events: list[Event] = []
         self.secrets: set[str] = set()
         self._lock = threading.Lock()
         self._json: TextIO | None = None
-        if json_path:
+        if json_path and not self.takes_stdout:
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
             self._json = open(json_path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
@@ -121,9 +128,11 @@ class EventLog:
         )
         with self._lock:
             self.events.append(event)
-            if self._json is not None:
-                self._json.write(json.dumps(asdict(event), default=str) + "\n")
-                self._json.flush()
+            # sys.stdout looked up at each event: whatever stdout is now (a test's capture).
+            stream = sys.stdout if self.takes_stdout else self._json
+            if stream is not None:
+                stream.write(json.dumps(asdict(event), default=str) + "\n")
+                stream.flush()
             if show and not (self.quiet_ok and status == "ok"):
                 color = COLORS[status]
                 self.console.print(f"[{color}]{escape(event.line())}[/]")
@@ -184,3 +193,11 @@ class EventLog:
         if self._json is not None:
             self._json.close()
             self._json = None
+
+
+def for_people(console: Console, json_path: str | None) -> Console:
+    """Where the lines for people go: ``console``, or stderr when ``--json -`` takes stdout
+    and ``console`` writes there."""
+    if json_path == STDOUT and console.file is sys.stdout:
+        return make_console(stderr=True)
+    return console

@@ -1,14 +1,56 @@
-"""Console output: one place that decides how dflashops talks to a person."""
+"""Console output: one place that decides how dflashops talks to a person. It imports nothing
+of dflashops: the host code uses it too (``inert``, ``shorten``, ``trace``).
+
+Host text made inert before a terminal sees it (DESIGN.md "Trust boundary" 2).
+
+A unit's log, an agent's stderr, a progress file: whatever a host sends may hold escape
+sequences that retitle the operator's terminal, rewrite what it shows, or worse. ``inert``
+removes control characters other than newline and tab: whole escape sequences (CSI, OSC and
+other string sequences, two-character escapes, in their 7-bit and C1 forms), then any C0, DEL
+or C1 character left. The printable text around them stays, so a coloured log still reads.
+"""
 
 from __future__ import annotations
 
+import re
 import sys
 
 from rich.console import Console
 from rich.markup import escape as rich_escape
 
 from dflashops.errors import DflashopsError
-from dflashops.hosts.inert import inert
+
+# A CSI: ESC [ (or C1 CSI), parameter bytes, intermediate bytes, a final byte.
+_CSI = r"(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?"
+# OSC, DCS, SOS, PM, APC: a string up to its terminator (BEL, ST), or to the end of the line
+# when unterminated (a terminal would swallow it; a log's next lines must stay readable).
+_STRING = r"(?:\x1b[\]PX^_]|[\x90\x98\x9d\x9e\x9f])[^\x07\x1b\x9c\n]*(?:\x07|\x1b\\|\x9c)?"
+# Any other escape: ESC, intermediate bytes, a final byte (charset switches, cursor saves...).
+_OTHER = r"\x1b[ -/]*[0-~]?"
+_SEQUENCES = re.compile(f"{_CSI}|{_STRING}|{_OTHER}")
+_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def inert(text: str) -> str:
+    """``text`` without control characters but newline and tab (escape sequences removed whole)."""
+    if _CONTROLS.search(text) is None:  # the common case: nothing to do, no copy
+        return text
+    return _CONTROLS.sub("", _SEQUENCES.sub("", text))
+
+
+def shorten(text: str, limit: int) -> str:
+    """``text`` on one line (whitespace runs, newlines included, become one space) and at most
+    ``limit`` characters: cut at the last space that keeps at least half of it, never inside a
+    word unless one word fills half the limit, and ended with "…". The one way a message is
+    shortened for a table cell or a summary line."""
+    flat = " ".join(text.split())
+    if len(flat) <= limit:
+        return flat
+    cut = flat[: max(0, limit - 1)]
+    space = cut.rfind(" ")
+    if space >= limit // 2:
+        cut = cut[:space]
+    return cut.rstrip(" ,;:") + "…"
 
 
 def console(stderr: bool = False) -> Console:

@@ -13,7 +13,9 @@ from dflashops.config import reads
 from dflashops.config.inventory import Inventory
 from dflashops.config.load import Playbook, load_inventory, load_playbook
 from dflashops.errors import ConfigError, DflashopsError, Problem
+from dflashops.output import some
 from dflashops.plan import targets
+from dflashops.plan.names import did_you_mean
 
 DEFAULT_INVENTORIES = ("inventory.yaml", "inventory.example.yaml")
 PLAYBOOKS = "*.y*ml"  # the project's playbooks: every match in playbooks/ beside the inventory
@@ -60,13 +62,7 @@ def select(inventory_path: Path, playbooks: list[str], hosts: list[str]) -> Sele
     pre-flight can report every broken file in one run; inventory problems raise, since nothing
     can be checked without it."""
     inventory = load_inventory(inventory_path)
-    try:
-        host_names = inventory.expand(hosts) if hosts else None
-    except KeyError as exc:
-        known = ", ".join(sorted([*inventory.hosts, *inventory.groups]))
-        raise DflashopsError(
-            f"--host {exc.args[0]!r} is not in {inventory_path} (it has: {known})"
-        ) from None
+    host_names = expand_hosts(inventory, hosts) if hosts else None
     explicit = bool(playbooks)
     # A recording run depends on which playbooks there are: one added or removed is a change.
     reads.look(inventory_path.parent / "playbooks", f"glob:{PLAYBOOKS}")
@@ -113,6 +109,20 @@ def select(inventory_path: Path, playbooks: list[str], hosts: list[str]) -> Sele
             )
         seen.setdefault(book.name, book.path)
     return Selection(inventory, books, host_names, problems, project)
+
+
+def expand_hosts(inventory: Inventory, names: list[str]) -> list[str]:
+    """--host/--limit names as typed (hosts, groups, and what Inventory.expand takes beside
+    them) -> host names; an unknown one is an error with the nearest known name."""
+    try:
+        return inventory.expand(names)
+    except KeyError as exc:
+        name = str(exc.args[0])
+        known = sorted([*inventory.hosts, *inventory.groups])
+        raise DflashopsError(
+            f"--host {name!r} is not in {inventory.path}{did_you_mean(name, known)}; "
+            f"it has: {some(known, 20)}"
+        ) from None
 
 
 def _targets_any(inventory: Inventory, book: Playbook, hosts: list[str]) -> bool:

@@ -79,11 +79,21 @@ class GpuFacts(FactsModel):
         return next((d for d in self.devices if d.index == index), None)
 
 
+class Holder(FactsModel):  # a listener's holder when not all this workdir's units are
+    pid: int
+    cmdline: list[str]
+    unit: str | None  # the dflashops unit it is (of any workdir), if it is one
+    workdir: str | None  # that unit's workdir
+    this_workdir: bool  # ... is the one asked about
+
+
 class Listener(FactsModel):
     address: str  # "127.0.0.1", "0.0.0.0", "::", "::1", ...
     port: int
     inode: int
     pids: list[int]  # processes holding the socket (only those we may read)
+    user: str | None = None  # the socket's owner, when no holder is visible to us
+    holders: list[Holder] = []  # who they are, when not all ours
 
 
 class ImportCheck(FactsModel):
@@ -137,6 +147,7 @@ class ExitRecord(FactsModel):
     signal: str | None = None  # "SIGKILL", ...
     finished_at: str | None = None
     child_pid: int | None = None
+    reason: str | None = None  # "liveness": its supervisor ended it after failed probes
 
 
 class StoppedRecord(FactsModel):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import itertools
 import json
+import time
 from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -27,6 +28,7 @@ from dflashops.errors import HostError
 from dflashops.hosts.base import BaseConnection
 from dflashops.hosts.connection import Input, Result, tail
 from dflashops.hosts.untrusted import Bounded, HostileHost, TooDeep
+from dflashops.output import shorten, trace, verbose
 
 SLACK = 30.0  # on top of an action's own waits: interpreter start, /proc scans, the link
 M = TypeVar("M", bound=BaseModel)
@@ -34,6 +36,13 @@ M = TypeVar("M", bound=BaseModel)
 
 class AgentError(HostError):
     """The agent did not produce a usable answer."""
+
+
+class PythonMissing(AgentError):
+    """The host answered, but the inventory's ``python:`` is not there or cannot run: the host
+    failed (the inventory needs a fix), it is not unreachable."""
+
+    reached = True
 
 
 class Kept(Protocol):
@@ -76,7 +85,27 @@ class Caller(abc.ABC):
         frames: Frames | None = None,
     ) -> dict[str, Any]:
         """Run one action. ``data`` follows the request on stdin (bytes or chunks made while
-        it runs); ``frames`` takes a streamed answer's files (``send``) as they come."""
+        it runs); ``frames`` takes a streamed answer's files (``send``) as they come. With
+        ``-v`` each call is traced with its time, failed or not."""
+        if not verbose():
+            return self._call(action, request, data, timeout, frames)
+        started = time.monotonic()
+        failed = " (failed)"
+        try:
+            answer = self._call(action, request, data, timeout, frames)
+            failed = ""
+            return answer
+        finally:
+            trace(self.host, action + failed, time.monotonic() - started)
+
+    def _call(
+        self,
+        action: str,
+        request: dict[str, Any],
+        data: Input,
+        timeout: float,
+        frames: Frames | None,
+    ) -> dict[str, Any]:
         self.round_trips += 1
         if self.keep and action in KEPT and frames is None:
             return self.kept().call(action, request, data=data, timeout=timeout)
@@ -104,16 +133,8 @@ class Caller(abc.ABC):
         code, py = result.exit_code, self.python
         stderr = f"\n  stderr (last lines):\n{tail(result.err)}" if result.err.strip() else ""
         what = f"the dflashops agent ({action})"
-        if code == 127:
-            raise AgentError(
-                self.host,
-                f"python {py!r} not found on the host; set `python:` for this host in the inventory{stderr}",
-            )
-        if code == 126:
-            raise AgentError(
-                self.host,
-                f"python {py!r} cannot be executed on the host (permissions?); set `python:` for this host in the inventory{stderr}",
-            )
+        if code in (127, 126):
+            raise self.python_missing(code, result.err)
         if code == 2 and "dflashops agent: bad request" in result.err:
             raise AgentError(self.host, f"{what} refused the request (a dflashops bug){stderr}")
         if code != 0:
@@ -134,7 +155,7 @@ class Caller(abc.ABC):
                 self.host, f"{what} answered with {exc}: refused (a broken or hostile host)"
             ) from None
         if data is None:
-            shown = text[:200] + ("..." if len(text) > 200 else "")
+            shown = shorten(text, 200)
             raise AgentError(
                 self.host,
                 f"{what} printed something that is not a JSON answer (python {py!r}?): {shown!r}",
@@ -147,6 +168,22 @@ class Caller(abc.ABC):
                 "agent versions do not match",
             )
         return data
+
+    def python_missing(self, code: int, stderr: str) -> PythonMissing:
+        """Exit 127 (no such file) or 126 (cannot execute) from the shell that ran python: one
+        line; the shell's own words only where they add something (126's reason)."""
+        py, fix = self.python, "set `python:` for this host in the inventory"
+        if code == 127:
+            return PythonMissing(
+                self.host,
+                f"python {py!r} not found on the host {self.host}: {fix} "
+                "(a stock RunPod pod has /usr/bin/python3)",
+            )
+        lines = stderr.strip().splitlines()
+        why = f" ({lines[-1].strip()})" if lines else " (permissions?)"
+        return PythonMissing(
+            self.host, f"python {py!r} cannot be executed on the host {self.host}{why}: {fix}"
+        )
 
     def validate(self, model: type[M], data: Any, what: str) -> M:
         try:

@@ -14,7 +14,7 @@ from typing import Any
 
 from dflashops.agent.answers import ProbeSpec, UnitProbe, WaitReport
 from dflashops.agent.bundle import bundle, command
-from dflashops.agent.calling import SLACK, AgentError
+from dflashops.agent.calling import SLACK, AgentError, PythonMissing
 from dflashops.agent.lock_answers import LockAnswer
 from dflashops.agent.node_actions import NodeActions
 from dflashops.agent.reading import Frames
@@ -23,8 +23,18 @@ from dflashops.agent.session import Session
 from dflashops.agent.unit_actions import UnitActions, observe_request
 from dflashops.hosts.base import BaseConnection
 from dflashops.hosts.connection import CommandTimeout, Result, StreamEnded
+from dflashops.output import trace, verbose
 
-__all__ = ["SCHEMA", "SLACK", "Agent", "AgentError", "Frames", "Session", "observe_request"]
+__all__ = [
+    "SCHEMA",
+    "SLACK",
+    "Agent",
+    "AgentError",
+    "Frames",
+    "PythonMissing",
+    "Session",
+    "observe_request",
+]
 RELOCK_WAIT = 10.0  # s a new session waits for the deploy lock its ended predecessor held
 
 
@@ -98,6 +108,7 @@ class Agent(UnitActions, NodeActions):
         }
         line = json.dumps(request, separators=(",", ":")).encode()
         silence = report_every + 2 * http_timeout + SLACK  # longer without a line: lost
+        started = time.monotonic()
         self.round_trips += 1
         kept = self.kept() if self.keep else None
         if kept is not None:
@@ -128,6 +139,9 @@ class Agent(UnitActions, NodeActions):
                 if done:
                     return
         finally:
+            if verbose():
+                what = f"wait ({len(units)} unit(s)){'' if done else ' (ended early)'}"
+                trace(self.host, what, time.monotonic() - started)
             # Interrupted, failed or abandoned: the host side must stop now, so its stream
             # goes (a kept agent with it: the next call starts another).
             if kept is None or not done:

@@ -7,12 +7,13 @@ tests/operations/ holds them as data.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Literal
 
-from dflashops.agent.answers import HostFacts, ProbeSpec, StopResult, UnitProbe
+from dflashops.agent.answers import Holder, HostFacts, Listener, ProbeSpec, StopResult, UnitProbe
 from dflashops.agent.remote import layout
 from dflashops.changes.orphans import Orphan, blocking, ways_out
 from dflashops.changes.units import Change
@@ -21,6 +22,7 @@ from dflashops.config.playbook import Ready as ReadySettings
 from dflashops.engines import identity
 from dflashops.engines.render import Rendered
 from dflashops.engines.secrets import auth_headers as secret_auth
+from dflashops.output import inert, shorten
 from dflashops.plan.model import dial_host, span_of
 from dflashops.plan.supervision import policy, restart_policy
 
@@ -236,11 +238,9 @@ def start_blocker(
     ones) lacks."""
     unit = r.unit
     ours = {p for uf in facts.units.values() if uf.running for p in uf.group_pids}
-    if unit.port is not None:
-        listener = facts.listener(unit.port)
-        if listener is not None and not set(listener.pids) <= ours:
-            holder = ", ".join(map(str, listener.pids)) or "a process we cannot see"
-            return f"port {unit.port} is already taken by pid {holder} (not a dflashops unit); not started"
+    taken = port_taken(unit.port, facts.listening, ours) if unit.port is not None else None
+    if taken is not None:
+        return taken
     for orphan, held in blocking(orphans, facts, unit.port, unit.gpus):
         return (
             f"{held} held by orphan {orphan.name} ({orphan.describe()}), which no playbook "
@@ -258,6 +258,80 @@ def start_blocker(
             f"secret_env/secret_args need {', '.join(missing)} set on the controller; not started"
         )
     return None
+
+
+CMDLINE_SHOWN = 100  # characters of a port holder's command line in the message
+LONG_PATH = 40  # a path argument longer than this is shown by its last part
+NEW_PORT = "or give this unit another `port:` in the playbook"
+
+
+def port_taken(port: int, listening: list[Listener], ours: set[int]) -> str | None:
+    """Why ``port`` is not free for a unit to start (None: free, or held by this workdir's
+    running units)."""
+    held = port_holder(port, listening, ours)
+    return None if held is None else f"{held[0]}; not started: {held[1]}"
+
+
+def port_holder(port: int, listening: list[Listener], ours: set[int]) -> tuple[str, str] | None:
+    """Who holds ``port`` besides ``ours`` (pid, command line, the dflashops unit it is and of
+    which workdir) and what to do, or None. A holder this user cannot see is in the way too,
+    never assumed ours. For deploy (``port_taken``) and live pre-flight alike."""
+    for listener in listening:
+        if listener.port != port:
+            continue
+        if not listener.pids:
+            owner = f" of user {_shown(listener.user)}" if listener.user else ""
+            return (
+                f"port {port} is held by a process{owner} this user cannot see",
+                f"free it (`sudo ss -ltnp 'sport = :{port}'` names it) {NEW_PORT}",
+            )
+        strangers = [pid for pid in listener.pids if pid not in ours]
+        if strangers:
+            who, todo = _holder(strangers, listener.holders)
+            return f"port {port} is already taken by {who}", todo
+    return None
+
+
+def _holder(pids: list[int], holders: list[Holder]) -> tuple[str, str]:
+    """The first of ``pids`` in words (the others by number), and what to do about it."""
+    pid = pids[0]
+    more = f" (and pid {', '.join(map(str, pids[1:]))})" if len(pids) > 1 else ""
+    found = next((h for h in holders if h.pid == pid), None)
+    kill = f"stop it (`kill {pid}`) if it is not needed, {NEW_PORT}"
+    if found is None:
+        return f"pid {pid}{more}", kill
+    who = f"pid {pid} ({_command(found.cmdline) or 'no command line'}){more}"
+    if found.unit is None:
+        return f"{who}, not a dflashops unit", kill
+    name = _shown(found.unit)
+    if found.this_workdir:
+        return (
+            f"{who}, dflashops unit {name} of this workdir that its pid record does not prove running (a leftover)",
+            kill,
+        )
+    return (
+        f"{who}, dflashops unit {name} of workdir {_shown(found.workdir or '?')} (another project)",
+        f"stop it there (`dflashops stop --unit {name} -i <that project's inventory>`) " + NEW_PORT,
+    )
+
+
+def _command(args: list[str]) -> str:
+    """A holder's command line, short: a long path is its last part (`…/stub_engine.py`), the
+    whole is cut at a word boundary."""
+    words = []
+    for arg in args:
+        word = shlex.quote(arg)
+        if "'" in arg and not any(c in arg for c in '"$`\\'):
+            word = f'"{arg}"'  # reads better than '"'"' and means the same to a shell
+        if len(word) > LONG_PATH and word == arg and "/" in arg.rstrip("/"):
+            word = "…/" + arg.rstrip("/").rsplit("/", 1)[1]
+        words.append(word)
+    return _shown(" ".join(words), CMDLINE_SHOWN)
+
+
+def _shown(text: str, limit: int = 200) -> str:
+    """Host text in a one-line message: no control characters, no line breaks, not too long."""
+    return shorten(inert(text), limit)
 
 
 @dataclass(frozen=True)

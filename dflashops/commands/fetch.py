@@ -13,9 +13,8 @@ from dflashops.agent.transfer import human, listing, pull
 from dflashops.config.load import load_inventory
 from dflashops.errors import DflashopsError
 from dflashops.hosts import connect
-from dflashops.hosts.inert import inert
-from dflashops.output import escape
-from dflashops.project import find_inventory, split_names
+from dflashops.output import escape, inert
+from dflashops.project import expand_hosts, find_inventory, split_names
 
 
 def fetch(
@@ -28,10 +27,7 @@ def fetch(
 ) -> int:
     inv = load_inventory(find_inventory(inventory))
     names = split_names(hosts)
-    try:
-        targets = inv.expand(names)
-    except KeyError as exc:
-        raise DflashopsError(f"--host {exc.args[0]!r} is not in {inv.path}") from None
+    targets = expand_hosts(inv, names)
     if len(targets) != 1:
         raise DflashopsError("fetch takes one host: --host NAME")
     host = inv.hosts[targets[0]]

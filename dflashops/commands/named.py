@@ -12,7 +12,7 @@ from dflashops.config.inventory import Host
 from dflashops.config.load import load_inventory
 from dflashops.errors import DflashopsError
 from dflashops.output import escape
-from dflashops.project import find_inventory, split_names
+from dflashops.project import expand_hosts, find_inventory, split_names
 
 Confirm = Callable[[str], bool]  # a question to a person: True to go on (tests answer it)
 # One host's turn: out, the host, --yes, the confirm callback; True when that host is done.
@@ -46,12 +46,10 @@ class OnNamed:
         return 1 if failed else 0
 
     def named(self, inventory: str | None, hosts: list[str] | str | None) -> list[Host]:
-        """The hosts --host names (groups expanded): these commands act on named hosts only."""
+        """The hosts --host/--limit names (groups and patterns expanded, an unknown name with
+        the nearest known one): these commands act on named hosts only."""
         inv = load_inventory(find_inventory(inventory))
         names = split_names(hosts)
         if not names:
             raise DflashopsError(self.need)
-        try:
-            return [inv.hosts[name] for name in inv.expand(names)]
-        except KeyError as exc:
-            raise DflashopsError(f"--host {exc.args[0]!r} is not in {inv.path}") from None
+        return [inv.hosts[name] for name in expand_hosts(inv, names)]

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from dflashops.commands.table import DEFAULT_FORKS
-from dflashops.hosts.inert import inert
-from dflashops.output import escape, some
+from dflashops.output import escape, inert, some
 from dflashops.preflight.report import Report, write_outputs
 
 if TYPE_CHECKING:
@@ -97,20 +96,23 @@ def render(
     inventory: str | None = None,
     hosts: list[str] | str | None = None,
     playbooks: list[str] | None = None,
+    units: list[str] | None = None,
     out_dir: str | None = None,
 ) -> int:
-    """Print the launch scripts, or write them to OUT_DIR/<host>/<unit>.sh for review."""
+    """Print the launch scripts, or write them to OUT_DIR/<host>/<unit>.sh for review; with
+    ``units`` (--unit) those units' alone (a service: all its units)."""
     from dflashops.engines.render import render_plan, template_dirs
     from dflashops.plan import build_plan, topo_order
+    from dflashops.plan.expand import reportable
+    from dflashops.plan.names import of_units, resolve
     from dflashops.project import find_inventory, select, split_names
 
     selection = select(find_inventory(inventory), playbooks or [], split_names(hosts))
     plan = build_plan(selection.inventory, selection.playbooks, selection.hosts)
-    problems = [*selection.problems, *plan.problems]
     rendered, render_problems = render_plan(
         plan, template_dirs(b.path for b in selection.playbooks)
     )
-    problems.extend(render_problems)
+    problems = reportable([*selection.problems, *plan.problems, *render_problems])
     if problems:
         for p in problems:
             out.print(f"[red]error:[/] {escape(str(p))}")
@@ -118,6 +120,10 @@ def render(
             "[red]nothing rendered[/]: fix the problems above (`dflashops preflight` checks everything)"
         )
         return 1
+    if split_names(units):
+        where = f"in the playbooks for {some(list(plan.hosts)) or 'the selected hosts'}"
+        chosen = set(resolve(split_names(units), of_units(plan.units), where))
+        rendered = [r for r in rendered if r.unit.name in chosen]
     order = {u.name: i for i, u in enumerate(topo_order(plan.units))}
     rendered.sort(key=lambda r: (r.unit.host.name, order[r.unit.name]))
     if out_dir:

@@ -1,51 +1,167 @@
-"""status: what runs where, per unit, from the hosts themselves (facts, probes, log ends)."""
+"""status: what runs where, per unit, from the hosts themselves (facts, probes, log ends).
+
+One ``Row`` per unit, made once: the table shows it for people (states explained in
+states.LEGEND), ``--json`` gives it as data with raw values (``document``: seconds, booleans,
+bytes, ISO-8601 UTC times), on stdout for ``--json`` alone or ``--json -``, else in FILE.
+When a playbook does not load (common.prepare warns), the units a host records that no
+playbook renders are shown from those records alone, their health not probed.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from dflashops.agent.answers import HostFacts, UnitFacts, UnitProbe
+from dflashops.agent.answers import HostFacts, SupervisorState, UnitFacts, UnitProbe
 from dflashops.changes.orphans import Orphan
 from dflashops.changes.verdicts import health_text, probe_spec
-from dflashops.commands.common import prepare
+from dflashops.commands.common import Target, prepare
+from dflashops.commands.states import STYLE
 from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import Host
 from dflashops.engines import identity
 from dflashops.engines.metrics import Memory, Reading, shown
 from dflashops.engines.render import Rendered
-from dflashops.events import EventLog
-from dflashops.hosts.inert import inert
-from dflashops.lifecycle.fleet import on_hosts
+from dflashops.events import STDOUT, EventLog, for_people
+from dflashops.lifecycle.fleet import Outcome, on_hosts
 from dflashops.lifecycle.session import HostSession
-from dflashops.output import duration, escape
+from dflashops.output import duration, escape, inert, some
 
-# -- status -------------------------------------------------------------------------------------
+DOCUMENT_SCHEMA = 1  # of the --json document: raised when a field changes meaning or goes away
+ISO = "%Y-%m-%dT%H:%M:%SZ"
+REASONS = {"liveness": "liveness failed", "stop": "stopped"}  # why an exit happened, as shown
+UNREACHABLE = "unreachable"  # a host's row when it did not answer
+
+# -- one unit, as a row sees it ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A row's unit: as a playbook renders it, or (no playbook that loads renders it) as its
+    host records it in unit.json."""
+
+    name: str
+    kind: str | None  # service | job; None: the host records nothing of it
+    port: int | None
+    gpus: tuple[int, ...]
+    engine: str | None
+    rendered: Rendered | None = None
+
+    @classmethod
+    def of(cls, r: Rendered) -> Seen:
+        u = r.unit
+        return cls(u.name, u.kind, u.port, u.gpus, u.engine, r)
+
+    @classmethod
+    def recorded(cls, name: str, uf: UnitFacts) -> Seen:
+        rec = uf.unit
+        if rec is None:
+            return cls(name, None, None, (), None)
+        return cls(name, rec.kind, rec.port, tuple(rec.gpus), rec.engine)
+
+
+@dataclass(frozen=True)
+class LastExit:
+    """How a unit's process last ended: its exit record, else its supervisor's last crash."""
+
+    code: int | None
+    signal: str | None
+    time: str | None  # ISO-8601 UTC, the host's clock
+    reason: str | None  # liveness | stop | None
+
+    def text(self, now: float) -> str:
+        """`code 137 (SIGKILL) 3m05s ago`, `code 1 4s ago`."""
+        why = ", ".join(w for w in (self.signal, REASONS.get(self.reason or "")) if w)
+        ago = seconds_since(self.time, now)
+        return (
+            (f"code {self.code}" if self.code is not None else "no exit code")
+            + (f" ({why})" if why else "")
+            + (f" {duration(ago)} ago" if ago is not None else "")
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {"code": self.code, "signal": self.signal, "time": self.time, "reason": self.reason}
+
+
+def last_exit(uf: UnitFacts | None) -> LastExit | None:
+    """Kept from a crash through the restart that follows (exit is rewritten only by the next
+    exit, and removed only by a new start from a deploy)."""
+    if uf is None:
+        return None
+    rec = uf.exit
+    if rec is not None and (rec.code is not None or rec.signal is not None):
+        reason = "stop" if uf.stopped is not None else rec.reason
+        return LastExit(rec.code, rec.signal, rec.finished_at, reason)
+    # An exit record that is unreadable: the supervisor's history says the same (host data).
+    crashes = [h for h in (uf.supervisor.history if uf.supervisor else []) if "code" in h]
+    if not crashes:
+        return None
+    h = crashes[-1]
+    code = h.get("code")
+    return LastExit(
+        code if isinstance(code, int) and not isinstance(code, bool) else None,
+        text_or_none(h.get("signal")),
+        text_or_none(h.get("at")),
+        text_or_none(h.get("reason")),
+    )
+
+
+def text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def restarts_of(supervisor: SupervisorState | None, running: bool) -> int:
+    """Restarts its supervisor began: one under way (a backoff, the wait for GPU memory)
+    counts, so the column and `restart N` in the health text say the same number."""
+    if supervisor is None:
+        return 0
+    return supervisor.restarts + (1 if running and supervisor.restarting else 0)
+
+
+def run_since(started_at: str | None, supervisor: SupervisorState | None) -> str | None:
+    """When the unit's current run began: its supervisor's start of it (a restart begins a new
+    run, so uptime and the last exit agree), else the start its pid record holds."""
+    if supervisor is not None and supervisor.state == "running" and supervisor.since:
+        return supervisor.since
+    if supervisor is not None and supervisor.restarting:
+        return None  # between two runs
+    return started_at
+
+
+def seconds_since(iso: str | None, now: float) -> int | None:
+    if not iso:
+        return None
+    try:
+        then = datetime.strptime(iso, ISO).replace(tzinfo=timezone.utc).timestamp()
+    except ValueError:
+        return None
+    return max(0, int(now - then))
+
+
+# -- states ----------------------------------------------------------------------------------------
 
 
 def unit_state(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> tuple[str, str]:
-    """(state, health) for the status table."""
-    uf = facts.unit(r.unit.name)
-    if uf is None or (uf.pid is None and uf.exit is None):
-        return ("stopped" if uf is not None and uf.unit is not None else "absent"), "-"
-    if not uf.running and uf.crashed is not None and uf.stopped is None:
-        return "crashed", f"gave up after {restarts_of(uf)} restarts{last_exit(uf)}"
-    if uf.running and uf.supervisor is not None and uf.supervisor.restarting:
-        return "restarting", f"restart {uf.supervisor.restarts + 1}{last_exit(uf)}"
-    if not uf.running:
-        if uf.stopped is not None and uf.pid is None:
-            return "stopped", "-"
-        if uf.exit is not None and uf.exit.code is not None:
-            ran = run_time(uf)
-            outcome = f"exit {uf.exit.code}" + (f" after {ran}" if ran else "")
-            if r.unit.kind == "job":
-                return ("done" if uf.exit.code == 0 else "failed"), outcome
-            return "dead", outcome
-        return ("stopped" if uf.pid is None else "dead"), "-"
+    """(state, health) of a rendered unit for the status table."""
+    return state_of(Seen.of(r), facts.unit(r.unit.name), probe, facts.time)
+
+
+def state_of(
+    seen: Seen, uf: UnitFacts | None, probe: UnitProbe | None, now: float
+) -> tuple[str, str]:
+    """(state, health): every state here is explained in states.LEGEND."""
+    ended = process_state(seen.kind, uf, now)
+    if ended is not None or uf is None:
+        return ended or ("absent", "-")
+    r = seen.rendered
+    if r is None:
+        return "running", "not probed"  # its playbook does not load: no probe to ask
     if r.unit.port is None or r.launch.health_path is None or probe is None:
         return ("running" if uf.fingerprint == r.fingerprint else "outdated"), "-"
     health = health_text(probe)
@@ -53,44 +169,56 @@ def unit_state(r: Rendered, facts: HostFacts, probe: UnitProbe | None) -> tuple[
         return "starting", health
     if uf.fingerprint != r.fingerprint:
         return "outdated", health  # runs an older rendering: `deploy` restarts it
+    refused = probe.identity is not None and probe.identity.status in (401, 403)
+    if refused and (wanted := r.unit.spec.secret_args):
+        # It wants the key this controller does not have: its settings are unknown, not wrong.
+        names = ", ".join(sorted(set(wanted.values())))
+        return "ready", f"{health}; settings not checked (HTTP 401): export {names} to check them"
     if identity.check(r, probe):
         return "drifted", health
     return "ready", health
 
 
-def restarts_of(uf: UnitFacts) -> int:
-    return uf.supervisor.restarts if uf.supervisor is not None else 0
-
-
-def last_exit(uf: UnitFacts) -> str:
-    """`, last exit SIGKILL at 03:12:07Z` from the supervisor's record of crashes."""
-    history = [h for h in (uf.supervisor.history if uf.supervisor else []) if "code" in h]
-    if not history:
-        return ""
-    last = history[-1]
-    how = last.get("signal") or f"code {last.get('code')}"
-    why = " (liveness)" if last.get("reason") == "liveness" else ""
-    return f", last exit {how}{why} at {str(last.get('at', ''))[11:]}"
+def process_state(kind: str | None, uf: UnitFacts | None, now: float) -> tuple[str, str] | None:
+    """(state, health) from the unit's records and process alone; None when it runs and no
+    restart is under way (then its probe and its rendering say more)."""
+    if uf is None or (uf.pid is None and uf.exit is None):
+        return ("stopped" if uf is not None and uf.unit is not None else "absent"), "-"
+    restarts = restarts_of(uf.supervisor, uf.running)
+    ended = last_exit(uf)
+    since = f", last exit {ended.text(now)}" if ended is not None else ""
+    if not uf.running and uf.crashed is not None and uf.stopped is None:
+        return "crashed", f"gave up after {restarts} restarts{since}"
+    if uf.running and uf.supervisor is not None and uf.supervisor.restarting:
+        return "restarting", f"restart {restarts}{since}"
+    if uf.running:
+        return None
+    if uf.stopped is not None and uf.pid is None:
+        return "stopped", "-"
+    if uf.exit is not None and uf.exit.code is not None:
+        ran = run_time(uf)
+        outcome = f"exit {uf.exit.code}" + (f" after {ran}" if ran else "")
+        if kind == "job":
+            return ("done" if uf.exit.code == 0 else "failed"), outcome
+        return "dead", outcome
+    return ("stopped" if uf.pid is None else "dead"), "-"
 
 
 def run_time(uf: UnitFacts) -> str:
     if uf.pid is None or not uf.pid.started_at or uf.exit is None or not uf.exit.finished_at:
         return ""
     try:
-        began, ended = (
-            datetime.strptime(t, "%Y-%m-%dT%H:%M:%SZ")
-            for t in (uf.pid.started_at, uf.exit.finished_at)
-        )
+        began, ended = (datetime.strptime(t, ISO) for t in (uf.pid.started_at, uf.exit.finished_at))
     except ValueError:
         return ""
     return duration((ended - began).total_seconds())
 
 
-def failed_units(rendered: list[Rendered], facts: HostFacts) -> list[str]:
+def failed_units(names: list[str], facts: HostFacts) -> list[str]:
     """Units that ended on their own with a non-zero exit: their log ends are worth showing."""
-    names = []
-    for r in rendered:
-        uf = facts.unit(r.unit.name)
+    out = []
+    for name in names:
+        uf = facts.unit(name)
         if (
             uf
             and not uf.running
@@ -98,137 +226,180 @@ def failed_units(rendered: list[Rendered], facts: HostFacts) -> list[str]:
             and uf.exit is not None
             and uf.exit.code not in (0, None)
         ):
-            names.append(r.unit.name)
-    return names
+            out.append(name)
+    return out
 
 
-def status(
-    out: Console,
-    *,
-    inventory: str | None = None,
-    hosts: Any = None,
-    playbooks: list[str] | None = None,
-    forks: int = DEFAULT_FORKS,
-    json_path: str | None = None,
-) -> int:
-    target = prepare(out, inventory, hosts, playbooks, all_named_hosts=True)
-
-    def look(host: Host) -> Look:
-        return look_at(target.session(host, EventLog(out)))
-
-    outcomes = on_hosts(list(target.hosts.values()), look, forks)
-    memory = Memory()  # a vLLM counter's previous sample: tok/s since the last look
-    table = Table(*COLUMNS, box=None)
-    rows: list[dict[str, Any]] = []
-    failures: list[tuple[str, str, str, str]] = []
-    bad = False
-    for name, outcome in outcomes.items():
-        if outcome.value is None:
-            add_row(
-                table,
-                name,
-                "-",
-                "[red]unreachable[/]",
-                *[""] * (len(COLUMNS) - 4),
-                escape((outcome.error or "")[:120]),
-            )
-            rows.append({"host": name, "state": "unreachable", "error": outcome.error})
-            bad = True
-            continue
-        facts, probes, tails, orphans = outcome.value
-        for o in orphans:
-            rows.append(add_orphan(table, name, o, facts))
-        for r in target.rendered.get(name, []):
-            probe = probes.get(r.unit.name)
-            reading = memory.read(
-                f"{name}/{r.unit.name}", r.unit.engine, probe.metrics if probe else None, facts.time
-            )
-            row = status_row(r, facts, probe, reading)
-            if r.unit.name in tails:
-                row["log_tail"] = tails[r.unit.name]
-                failures.append((name, r.unit.name, row["health"], tails[r.unit.name]))
-            rows.append(row)
-            color = STATE_COLORS.get(row["state"], "red")
-            bad = bad or color == "red"
-            rank = f" [rank {r.unit.rank}/{len(r.unit.nodes)}]" if r.unit.multi_node else ""
-            add_row(
-                table,
-                name,
-                escape(r.unit.name + rank),
-                f"[{color}]{row['state']}[/]",
-                str(row["pid"] or ""),
-                row["uptime"],
-                str(r.unit.port or "-"),
-                escape(row["health"]),
-                shown(reading.tok_s, "tok"),
-                f"{shown(reading.running, 'n')}/{shown(reading.queued, 'n')}",
-                shown(reading.kv, "pct"),
-                row["gpu_util"],
-                str(row["restarts"]),
-                row["fingerprint"],
-                row["gpus"],
-                escape(row["progress"]),
-            )
-    memory.save()
-    out.print(table)
-    for host_name, unit, ended, text in failures:
-        line = inert(f"[{host_name}] {unit} ({ended}), end of its log:")
-        out.print(f"[red]==> {escape(line)}[/]")
-        out.out(inert(text.rstrip("\n")), highlight=False)
-    if json_path:
-        with open(json_path, "w", encoding="utf-8") as handle:
-            handle.write("\n".join(json.dumps(row, default=str) for row in rows) + "\n")
-    return 2 if bad else 0
+def recorded(facts: HostFacts, rendered: list[Rendered]) -> list[str]:
+    """Units the host records that none of ``rendered`` is (what orphans.find looks at)."""
+    mine = {r.unit.name for r in rendered}
+    return [
+        name
+        for name, uf in sorted(facts.units.items())
+        if name not in mine and (uf.unit is not None or uf.pid is not None or uf.group_pids)
+    ]
 
 
-Look = tuple[HostFacts, dict[str, UnitProbe], dict[str, str], list[Orphan]]
+# -- rows ------------------------------------------------------------------------------------------
 
 
-def look_at(session: HostSession) -> Look:
-    """One host's facts, its running services' probes, the log ends of its failed units (the
-    session is closed after)."""
-    try:
-        facts = session.gather()
-        probed = [
-            r
-            for r in session.rendered
-            if r.unit.port is not None and (uf := facts.unit(r.unit.name)) and uf.running
+@dataclass
+class Row:
+    """One unit on one host: what the table shows and what --json gives, from the same facts."""
+
+    host: str
+    seen: Seen
+    uf: UnitFacts | None
+    facts: HostFacts
+    state: str
+    health: str
+    source: str  # playbook | host record (a playbook does not load) | orphan
+    probe: UnitProbe | None = None
+    reading: Reading | None = None
+    log_tail: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.uf is not None and (self.uf.running or bool(self.uf.group_pids))
+
+    @property
+    def pid(self) -> int | None:
+        return self.uf.process.pid if self.uf is not None and self.uf.running else None
+
+    @property
+    def started_at(self) -> str | None:
+        uf = self.uf
+        if uf is None or not uf.running or uf.pid is None:
+            return None
+        return run_since(uf.pid.started_at, uf.supervisor)
+
+    @property
+    def restarts(self) -> int:
+        return restarts_of(self.uf.supervisor, self.uf.running) if self.uf else 0
+
+    @property
+    def rank_label(self) -> str:
+        r = self.seen.rendered
+        return f" [rank {r.unit.rank}/{len(r.unit.nodes)}]" if r and r.unit.multi_node else ""
+
+    def fingerprint(self) -> dict[str, Any]:
+        r, running = self.seen.rendered, self.uf.fingerprint if self.uf else None
+        rendered = r.fingerprint if r is not None else None
+        match = None if rendered is None or self.uf is None else running == rendered
+        return {"rendered": rendered, "running": running, "match": match}
+
+    def fingerprint_cell(self) -> str:
+        fp = self.fingerprint()
+        running = (fp["running"] or "none")[:12]
+        if self.seen.rendered is None:
+            return f"{running} (host)"
+        return f"{self.seen.rendered.short} {'=' if fp['match'] else '!= ' + running}"
+
+    def gpus(self) -> list[dict[str, Any]]:
+        devices = [(g, self.facts.gpus.device(g)) for g in self.seen.gpus]
+        return [
+            {
+                "index": g,
+                "used_bytes": self.facts.gpu_used_mib(g) * 2**20,
+                "util_pct": d.utilization_pct if d is not None else None,
+            }
+            for g, d in devices
         ]
-        specs = [probe_spec(r, session.resolved.values, metrics=True) for r in probed]
-        probes = session.agent.probe(facts.workdir, specs)
-        # Only failed units cost an extra call each: the end of the log says why.
-        tails = {
-            name: session.agent.tail(facts.workdir, name, lines=10).text
-            for name in failed_units(session.rendered, facts)
+
+    def cells(self) -> list[str]:
+        """The table's cells, in COLUMNS' order (host text made inert by add_row)."""
+        m = self.reading or Reading()
+        last = last_exit(self.uf)
+        style = STYLE.get(self.state, "red")
+        utils = [g["util_pct"] for g in self.gpus() if g["util_pct"] is not None]
+        orphan = self.source == "orphan"
+        up = seconds_since(self.started_at, self.facts.time)
+        return [
+            self.host,
+            escape(self.seen.name + self.rank_label),
+            f"[{style}]{self.state}[/]",
+            str(self.pid or ""),
+            duration(up) if up is not None else "",
+            str(self.seen.port or "-"),
+            escape(self.health),
+            "-" if orphan else shown(m.tok_s, "tok"),
+            "-" if orphan else f"{shown(m.running, 'n')}/{shown(m.queued, 'n')}",
+            "-" if orphan else shown(m.kv, "pct"),
+            f"{sum(utils) / len(utils):.0f}%" if utils else "-",
+            str(self.restarts),
+            escape(last.text(self.facts.time)) if last is not None else "",
+            self.fingerprint_cell(),
+            " ".join(f"{g['index']}:{g['used_bytes'] // 2**30}G" for g in self.gpus()) or "-",
+            escape(progress_text(self.uf)),
+        ]
+
+    def as_json(self) -> dict[str, Any]:
+        """The row as data (docs/operations.md, "status --json", lists every field)."""
+        uf, r, last = self.uf, self.seen.rendered, last_exit(self.uf)
+        health = self.probe.health if self.probe is not None else None
+        return {
+            "host": self.host,
+            "unit": self.seen.name,
+            "service": r.unit.service if r is not None else None,
+            "rank": r.unit.rank if r is not None else None,
+            "kind": self.seen.kind,
+            "engine": self.seen.engine,
+            "source": self.source,
+            "playbook": recorded_playbook(uf) if r is None else r.unit.playbook.name,
+            "state": self.state,
+            "health": self.health,
+            "http_status": health.status if health is not None else None,
+            "running": self.running,
+            "pid": self.pid,
+            "pids": list(uf.group_pids) if uf is not None else [],
+            "started_at": self.started_at,
+            "uptime_s": seconds_since(self.started_at, self.facts.time),
+            "port": self.seen.port,
+            "restarts": self.restarts,
+            "last_exit": last.as_json() if last is not None else None,
+            "fingerprint": self.fingerprint(),
+            "gpus": self.gpus(),
+            "metrics": (self.reading or Reading()).as_json(),
+            "progress": progress_json(uf),
+            "log_tail": self.log_tail,
         }
-        return facts, probes, tails, session.orphans
-    finally:
-        session.close()
 
 
-def add_orphan(table: Table, host: str, o: Orphan, facts: HostFacts) -> dict[str, Any]:
-    """An orphan's row in the table; its --json row returned."""
-    row = orphan_row(host, o, facts)
-    add_row(
-        table,
-        host,
-        o.name,
-        "[magenta]orphan[/]",
-        str(row["pid"] or ""),
-        row["uptime"],
-        str(o.port or "-"),
-        *["-"] * 6,
-        "no playbook defines it",
-        row["gpus"],
-        "",
-    )
-    return row
+def recorded_playbook(uf: UnitFacts | None) -> str | None:
+    return uf.unit.playbook if uf is not None and uf.unit is not None else None
 
 
-def add_row(table: Table, *cells: str) -> None:
-    """A row of host text (health, progress, fingerprints, errors): shown inert."""
-    table.add_row(*(inert(cell) for cell in cells))
+PROGRESS_NUMBERS = ("done", "total", "failed", "requests_per_s", "eta_s")
 
+
+def number(value: Any) -> float | int | None:
+    """A progress file's number (the job writes it): anything else is None."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return value if ok and value == value and abs(value) != float("inf") else None
+
+
+def progress_json(uf: UnitFacts | None) -> dict[str, Any] | None:
+    p = uf.progress if uf is not None else None
+    if not p:
+        return None
+    out: dict[str, Any] = {k: number(p.get(k)) for k in PROGRESS_NUMBERS}
+    out["state"] = text_or_none(p.get("state"))
+    return out
+
+
+def progress_text(uf: UnitFacts | None) -> str:
+    """`40/100 eta 3m05s` for the table."""
+    p = progress_json(uf)
+    if p is None or uf is None:
+        return ""
+    done, total, eta = p["done"], p["total"], p["eta_s"]
+    text = f"{done}/{total}" if done is not None and total else ""
+    if eta and p["state"] == "running" and uf.running:
+        text += f" eta {duration(float(eta))}"
+    return text
+
+
+# -- the command -------------------------------------------------------------------------------
 
 COLUMNS = (
     "host",
@@ -243,86 +414,186 @@ COLUMNS = (
     "KV",
     "GPU%",
     "restarts",
+    "last exit",
     "fingerprint",
     "gpus",
     "progress",
 )
-STATE_COLORS = {
-    "ready": "green",
-    "running": "green",
-    "done": "green",
-    "starting": "yellow",
-    "outdated": "yellow",
-    "restarting": "yellow",
-    "stopped": "dim",
-    "absent": "dim",
-}
 
 
-def gpu_util(facts_gpus: Any, gpus: tuple[int, ...]) -> str:
-    """`87%` (the mean over the unit's GPUs), `-` when nvidia-smi does not say."""
-    values = [
-        d.utilization_pct
-        for g in gpus
-        if (d := facts_gpus.device(g)) is not None and d.utilization_pct is not None
-    ]
-    return f"{sum(values) / len(values):.0f}%" if values else "-"
+def status(
+    out: Console,
+    *,
+    inventory: str | None = None,
+    hosts: Any = None,
+    playbooks: list[str] | None = None,
+    units: list[str] | None = None,
+    forks: int = DEFAULT_FORKS,
+    json_path: str | None = None,
+) -> int:
+    """The table (on stderr when the JSON takes stdout: ``json_path`` "-"), the log ends of
+    failed units, and with ``json_path`` the document. ``units``: these units alone (a name
+    matching none is an error, after the hosts were asked)."""
+    people = for_people(out, json_path)
+    target = prepare(people, inventory, hosts, playbooks, all_named_hosts=True)
+
+    def look(host: Host) -> Look:
+        return look_at(target.session(host, EventLog(people)), target.degraded is not None)
+
+    outcomes = on_hosts(list(target.hosts.values()), look, forks)
+    memory = Memory()  # a vLLM counter's previous sample: tok/s since the last look
+    rows = collect(target, outcomes, memory)
+    memory.save()
+    if units:
+        rows = only(rows, units, list(target.hosts))
+    table = Table(*COLUMNS, box=None)
+    bad = False
+    for name, outcome in outcomes.items():
+        if outcome.value is None:
+            # Its reason whole, on a line of its own below: a table cell would wrap it.
+            cells = [name, "-", f"[red]{host_state(outcome)}[/]", "", "", "", "see below"]
+            add_row(table, *cells, *[""] * (len(COLUMNS) - len(cells)))
+            bad = True
+        for row in (r for r in rows if r.host == name):
+            add_row(table, *row.cells())
+            bad = bad or STYLE.get(row.state, "red") == "red"
+    people.print(table)
+    for outcome in outcomes.values():
+        if outcome.value is None:  # the error names the host
+            why = escape(inert(outcome.error or "no answer"))
+            people.print(f"[red]{host_state(outcome)}:[/] {why}")
+    for row in rows:
+        if row.log_tail is not None:
+            line = inert(f"[{row.host}] {row.seen.name} ({row.health}), end of its log:")
+            people.print(f"[red]==> {escape(line)}[/]")
+            people.out(inert(row.log_tail.rstrip("\n")), highlight=False)
+    if json_path:
+        # One line: a reader of JSON lines (an events file, a log) takes it whole too.
+        text = json.dumps(document(target, outcomes, rows, not bad)) + "\n"
+        if json_path == STDOUT:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            with open(json_path, "w", encoding="utf-8") as handle:
+                handle.write(text)
+    return 2 if bad else 0
 
 
-def status_row(
-    r: Rendered, facts: HostFacts, probe: UnitProbe | None, reading: Reading | None = None
+Look = tuple[HostFacts, dict[str, UnitProbe], dict[str, str], list[Orphan]]
+
+
+def look_at(session: HostSession, from_records: bool = False) -> Look:
+    """One host's facts, its running services' probes, the log ends of its failed units (the
+    session is closed after). ``from_records``: the units it records that no playbook renders
+    are looked at too (their log ends; no probe: how to probe them is not known)."""
+    try:
+        facts = session.gather()
+        probed = [
+            r
+            for r in session.rendered
+            if r.unit.port is not None and (uf := facts.unit(r.unit.name)) and uf.running
+        ]
+        specs = [probe_spec(r, session.resolved.values, metrics=True) for r in probed]
+        probes = session.agent.probe(facts.workdir, specs)
+        names = [r.unit.name for r in session.rendered]
+        if from_records:
+            names += recorded(facts, session.rendered)
+        # Only failed units cost an extra call each: the end of the log says why.
+        tails = {
+            name: session.agent.tail(facts.workdir, name, lines=10).text
+            for name in failed_units(names, facts)
+        }
+        return facts, probes, tails, session.orphans
+    finally:
+        session.close()
+
+
+def collect(target: Target, outcomes: dict[str, Outcome[Look]], memory: Memory) -> list[Row]:
+    """The rows of every host that answered: its orphans, its rendered units in start order,
+    then (a playbook does not load) what else it records."""
+    rows: list[Row] = []
+    for name, outcome in outcomes.items():
+        if outcome.value is None:
+            continue
+        facts, probes, tails, orphans = outcome.value
+        for o in orphans:
+            rows.append(
+                Row(
+                    name,
+                    Seen.recorded(o.name, o.facts),
+                    o.facts,
+                    facts,
+                    "orphan",
+                    "no playbook defines it",
+                    "orphan",
+                )
+            )
+        rendered = target.rendered.get(name, [])
+        seen = [Seen.of(r) for r in rendered]
+        if target.degraded is not None:
+            seen += [Seen.recorded(n, facts.units[n]) for n in recorded(facts, rendered)]
+        for s in seen:
+            probe = probes.get(s.name)
+            uf = facts.unit(s.name)
+            metrics = probe.metrics if probe else None
+            reading = memory.read(f"{name}/{s.name}", s.engine or "", metrics, facts.time)
+            state, health = state_of(s, uf, probe, facts.time)
+            source = "playbook" if s.rendered is not None else "host record"
+            rows.append(
+                Row(name, s, uf, facts, state, health, source, probe, reading, tails.get(s.name))
+            )
+    return rows
+
+
+def only(rows: list[Row], names: list[str], hosts: list[str]) -> list[Row]:
+    """The rows of the units ``names`` mean (a service: all its units); a name that matches
+    none of the units seen is an error that says which names there are."""
+    from dflashops.plan.names import of_host, of_units, resolve
+
+    rendered = [row.seen.rendered.unit for row in rows if row.seen.rendered is not None]
+    kinds = {row.seen.name: row.seen.kind for row in rows if row.seen.rendered is None}
+    known = {**of_host(kinds), **of_units(rendered)}
+    wanted = set(resolve(names, known, f"on {some(hosts) or 'the selected hosts'}"))
+    return [row for row in rows if row.seen.name in wanted]
+
+
+def document(
+    target: Target, outcomes: dict[str, Outcome[Look]], rows: list[Row], ok: bool
 ) -> dict[str, Any]:
-    uf = facts.unit(r.unit.name)
-    state, health = unit_state(r, facts, probe)
-    pid = uf.process.pid if uf is not None and uf.running else None
-    up = uptime(uf, facts) if uf is not None else ""
-    match = uf is not None and uf.fingerprint == r.fingerprint
-    fp = f"{r.short} {'=' if match else '!= ' + (uf.fingerprint or 'none')[:12] if uf else 'none'}"
-    gpus = " ".join(f"{g}:{facts.gpu_used_mib(g) // 1024}G" for g in r.unit.gpus) or "-"
-    progress = ""
-    if uf is not None and uf.progress:
-        p = uf.progress
-        done, total = p.get("done"), p.get("total")
-        progress = f"{done}/{total}" if done is not None and total else ""
-        if p.get("eta_s") and p.get("state") == "running" and uf.running:
-            progress += f" eta {duration(float(p['eta_s']))}"
+    """`status --json`: one document (its schema: docs/operations.md, "status --json")."""
+    hosts = []
+    for name, outcome in outcomes.items():
+        facts = outcome.value[0] if outcome.value is not None else None
+        hosts.append(
+            {
+                "host": name,
+                # Answered, even when the work failed there (a missing python, a held lock).
+                "reachable": facts is not None or outcome.reached,
+                "state": "ok" if facts is not None else host_state(outcome),
+                "error": outcome.error,
+                "time": iso(facts.time) if facts is not None else None,
+            }
+        )
     return {
-        "host": r.unit.host.name,
-        "unit": r.unit.name,
-        "rank": r.unit.rank,  # a part of a unit over several nodes: one row per rank
-        "state": state,
-        "pid": pid,
-        "uptime": up,
-        "port": r.unit.port,
-        "health": health,
-        "fingerprint": fp,
-        "gpus": gpus,
-        "gpu_util": gpu_util(facts.gpus, r.unit.gpus),
-        "restarts": restarts_of(uf) if uf is not None else 0,
-        "progress": progress,
-        "metrics": (reading or Reading()).as_json(),
+        "schema": DOCUMENT_SCHEMA,
+        "time": iso(datetime.now(timezone.utc).timestamp()),
+        "ok": ok,
+        "warnings": [target.degraded] if target.degraded else [],
+        "hosts": hosts,
+        "units": [row.as_json() for row in rows],
     }
 
 
-def uptime(uf: UnitFacts, facts: HostFacts) -> str:
-    if not uf.running or uf.pid is None or not uf.pid.started_at:
-        return ""
-    started = datetime.strptime(uf.pid.started_at, "%Y-%m-%dT%H:%M:%SZ").replace(
-        tzinfo=timezone.utc
-    )
-    return duration(facts.time - started.timestamp())
+def host_state(outcome: Outcome[Look]) -> str:
+    """A host without facts: ``failed`` when it answered (its python is missing, another
+    actor holds its lock) or on a bug of ours, else ``unreachable`` (the network, sshd, keys)."""
+    return "failed" if outcome.reached or outcome.unexpected else UNREACHABLE
 
 
-def orphan_row(host: str, o: Orphan, facts: HostFacts) -> dict[str, Any]:
-    return {
-        "host": host,
-        "unit": o.name,
-        "state": "orphan",
-        "running": o.running,
-        "pid": o.facts.process.pid if o.running else None,
-        "pids": o.pids,
-        "uptime": uptime(o.facts, facts),
-        "port": o.port,
-        "gpus": " ".join(f"{g}:{facts.gpu_used_mib(g) // 1024}G" for g in o.gpus) or "-",
-        "playbook": o.facts.unit.playbook if o.facts.unit else None,
-    }
+def iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, timezone.utc).strftime(ISO)
+
+
+def add_row(table: Table, *cells: str) -> None:
+    """A row of host text (health, progress, fingerprints, errors): shown inert."""
+    table.add_row(*(inert(cell) for cell in cells))

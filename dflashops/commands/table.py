@@ -5,12 +5,16 @@ when that command runs.
 
 Positional arguments are single and required (``logs UNIT``): invoke cannot parse an optional
 or repeated positional, so lists of names are options (``stop --unit a,b``), as ``--host`` is.
+An option's first long flag is its name on both command lines; the others are aliases
+(``--limit`` for ``--host``, as Ansible users type it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from dflashops.commands.states import LEGEND
 
 Kind = Literal["str", "int", "bool", "list"]
 # Hosts in parallel. Work on a host is mostly waiting (an engine loading for minutes), so the
@@ -29,6 +33,9 @@ class Option:
     metavar: str | None = None
     required: bool = False
     choices: tuple[str, ...] = ()
+    # The value when the flag is given without one (``status --json``): argparse's nargs="?"
+    # and const, invoke's optional value. None: the flag always takes its value.
+    const: str | None = None
 
     @property
     def positional(self) -> bool:
@@ -38,6 +45,11 @@ class Option:
     def long(self) -> str:
         """The option's name on both command lines: ``--all-at-once`` -> ``all-at-once``."""
         return next((f[2:] for f in self.flags if f.startswith("--")), self.dest)
+
+    @property
+    def longs(self) -> tuple[str, ...]:
+        """Every long name: ``("host", "limit")``."""
+        return tuple(f[2:] for f in self.flags if f.startswith("--")) or (self.dest,)
 
     @property
     def short(self) -> str | None:
@@ -54,11 +66,19 @@ class Command:
     name: str  # as typed: "restart-servers"
     help: str  # one line
     target: str  # "module:function", imported when the command runs
-    options: tuple[Option, ...] = field(default_factory=tuple)
+    options: tuple[Option, ...] = field(default_factory=tuple)  # the function's keywords
+    details: str = ""  # shown under the command's own help (--help), line breaks kept
+    touches_hosts: bool = False  # takes -v/--verbose, which execute() handles
 
     @property
     def func_name(self) -> str:
         return self.name.replace("-", "_")
+
+    @property
+    def arguments(self) -> tuple[Option, ...]:
+        """Everything on the command line: the function's options, then -v where it applies
+        (execute() takes it: a command's function sees it only if it asks for it)."""
+        return (*self.options, VERBOSE) if self.touches_hosts else self.options
 
 
 INVENTORY = Option(
@@ -69,8 +89,9 @@ INVENTORY = Option(
 )
 HOSTS = Option(
     "hosts",
-    ("--host",),
-    "host or group names, comma-separated, repeatable (default: every host the playbooks target)",
+    ("--host", "--limit"),
+    "host or group names, comma-separated, repeatable; `all` and shell globs ('h100-*') too "
+    "(default: every host the playbooks target)",
     kind="list",
     metavar="NAMES",
 )
@@ -84,13 +105,15 @@ PLAYBOOKS = Option(
 FORKS = Option(
     "forks", ("--forks",), "hosts in parallel", kind="int", default=DEFAULT_FORKS, metavar="N"
 )
-EVENTS = Option("json_path", ("--json",), "write one JSON event per line to FILE", metavar="FILE")
+EVENTS = Option(
+    "json_path", ("--json",), "write one JSON event per line to FILE (`-`: stdout)", metavar="FILE"
+)
 SELECTION = (INVENTORY, HOSTS, PLAYBOOKS)
 FLEET = (FORKS, EVENTS)
 NAMED_HOSTS = Option(
     "hosts",
-    ("--host",),
-    "host or group names, comma-separated, repeatable",
+    ("--host", "--limit"),
+    "host or group names, comma-separated, repeatable; `all` and shell globs ('h100-*') too",
     kind="list",
     metavar="NAMES",
     required=True,
@@ -104,6 +127,21 @@ LOCK_WAIT = Option(
 )
 
 
+VERBOSE = Option(
+    "verbose",
+    ("-v", "--verbose"),
+    "show each remote call and its timing (on stderr)",
+    kind="bool",
+    default=False,
+)
+UNIT_HELP = "unit or service names (a service: all its replicas), comma-separated, repeatable"
+
+
+def units(what: str) -> Option:
+    """``--unit NAMES``: ``what`` says what the command does with them."""
+    return Option("units", ("--unit",), f"{UNIT_HELP}: {what}", kind="list", metavar="NAMES")
+
+
 def flag(dest: str, help: str) -> Option:
     return Option(dest, ("--" + dest.replace("_", "-"),), help, kind="bool", default=False)
 
@@ -115,6 +153,11 @@ COMMANDS: tuple[Command, ...] = (
         "dflashops.commands.deploy:deploy",
         (
             *SELECTION,
+            units(
+                "deploy these alone, with the environments and files entries they use; a unit "
+                "they need is not added (name it too: unchanged, it is left alone); no orphan "
+                "is pruned"
+            ),
             *FLEET,
             LOCK_WAIT,
             flag("check", "plan only: change nothing"),
@@ -127,6 +170,7 @@ COMMANDS: tuple[Command, ...] = (
             flag("rerun", "run jobs again that finished with exit 0"),
             flag("prune", "stop orphans (units no playbook defines) and move their folders aside"),
         ),
+        touches_hosts=True,
     ),
     Command(
         "restart-servers",
@@ -134,6 +178,7 @@ COMMANDS: tuple[Command, ...] = (
         "dflashops.commands.deploy:restart_servers",
         (
             *SELECTION,
+            units("restart these alone (services only)"),
             *FLEET,
             LOCK_WAIT,
             flag("all_at_once", "restart every replica together instead of rolling"),
@@ -141,6 +186,7 @@ COMMANDS: tuple[Command, ...] = (
                 "force", "start even where GPUs hold memory of processes not started by dflashops"
             ),
         ),
+        touches_hosts=True,
     ),
     Command(
         "stop",
@@ -150,20 +196,29 @@ COMMANDS: tuple[Command, ...] = (
             *SELECTION,
             *FLEET,
             LOCK_WAIT,
-            Option(
-                "units",
-                ("--unit",),
-                "units to stop, comma-separated, repeatable; orphans too (default: all)",
-                kind="list",
-                metavar="NAMES",
-            ),
+            units("stop these alone, orphans too (default: all)"),
         ),
+        touches_hosts=True,
     ),
     Command(
         "status",
         "per host and unit: state, pid, uptime, port, health, fingerprint, GPUs, progress",
         "dflashops.commands.status:status",
-        (*SELECTION, *FLEET),
+        (
+            *SELECTION,
+            units("show these alone"),
+            FORKS,
+            Option(
+                "json_path",
+                ("--json",),
+                "the status as JSON with raw values (seconds, booleans, bytes): one document "
+                "on stdout with no FILE or with `-`, else written to FILE",
+                metavar="FILE",
+                const="-",
+            ),
+        ),
+        details=LEGEND,
+        touches_hosts=True,
     ),
     Command(
         "top",
@@ -175,13 +230,20 @@ COMMANDS: tuple[Command, ...] = (
             flag("once", "print one frame and exit (for scripts)"),
             FORKS,
         ),
+        touches_hosts=True,
     ),
     Command(
         "logs",
         "the end of a unit's current log",
         "dflashops.commands.logs:logs",
         (
-            Option("unit", (), "the unit", metavar="UNIT", required=True),
+            Option(
+                "unit",
+                (),
+                "the unit, or a service: each of its units' logs, headed by the unit's name",
+                metavar="UNIT",
+                required=True,
+            ),
             *SELECTION,
             Option("lines", ("-n", "--lines"), "lines to show", kind="int", default=100),
             Option(
@@ -193,6 +255,7 @@ COMMANDS: tuple[Command, ...] = (
                 "characters other than newline and tab are removed: host text is inert)",
             ),
         ),
+        touches_hosts=True,
     ),
     Command(
         "preflight",
@@ -207,6 +270,7 @@ COMMANDS: tuple[Command, ...] = (
             flag("live", "also check the hosts (one facts round trip each)"),
             FORKS,
         ),
+        touches_hosts=True,  # with --live
     ),
     Command(
         "render",
@@ -214,6 +278,7 @@ COMMANDS: tuple[Command, ...] = (
         "dflashops.commands.preflight:render",
         (
             *SELECTION,
+            units("render these alone"),
             Option(
                 "out_dir",
                 ("--out",),
@@ -231,6 +296,7 @@ COMMANDS: tuple[Command, ...] = (
             NAMED_HOSTS,
             flag("yes", "record without asking (for scripts)"),
         ),
+        touches_hosts=True,
     ),
     Command(
         "unlock",
@@ -241,6 +307,7 @@ COMMANDS: tuple[Command, ...] = (
             NAMED_HOSTS,
             flag("yes", "release without asking (for scripts)"),
         ),
+        touches_hosts=True,
     ),
     Command(
         "fetch",
@@ -252,13 +319,14 @@ COMMANDS: tuple[Command, ...] = (
             INVENTORY,
             Option(
                 "hosts",
-                ("--host",),
+                ("--host", "--limit"),
                 "the host (one)",
                 kind="list",
                 metavar="NAME",
                 required=True,
             ),
         ),
+        touches_hosts=True,
     ),
     Command(
         "schema",

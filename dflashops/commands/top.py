@@ -7,6 +7,8 @@ Servers: state, tok/s, running/queued requests, KV-cache use, GPU utilisation an
 restarts, uptime. Jobs: a progress bar, done/total, rate, ETA, failures. Totals per host and
 for the fleet, and a sparkline of the fleet's throughput over the session. ``--once`` prints
 one frame (for scripts and tests): exit 0 whatever the units' states, 2 when no host answered.
+When a playbook does not load (common.prepare warns), the units each host records are shown
+from its records: the first call on a host is a facts call that lists them.
 """
 
 from __future__ import annotations
@@ -23,20 +25,20 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from dflashops.agent.answers import ProbeResult, UnitProbe
+from dflashops.agent.answers import ProbeResult, ProbeSpec, UnitProbe
 from dflashops.changes.verdicts import probe_spec
-from dflashops.commands.common import Target, prepare
+from dflashops.commands.common import LOOK, Target, prepare
+from dflashops.commands.states import STYLE
+from dflashops.commands.status import Seen, recorded, restarts_of, run_since, seconds_since
 from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import Host
 from dflashops.config.types import parse_duration
 from dflashops.engines.metrics import Memory, Reading, shown
-from dflashops.engines.render import Rendered
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
-from dflashops.hosts.inert import inert
 from dflashops.lifecycle.fleet import on_hosts
 from dflashops.lifecycle.session import HostSession
-from dflashops.output import duration, escape
+from dflashops.output import duration, escape, inert, shorten
 
 SPARK = "▁▂▃▄▅▆▇█"
 HISTORY = 60
@@ -64,19 +66,37 @@ class Watch:
         self.views: dict[str, HostView] = {h: HostView() for h in target.hosts}
         self.totals: list[float] = []  # the fleet's tok/s, refresh by refresh
         self.lock = threading.Lock()
+        # A playbook does not load: the units each host records and no playbook renders.
+        self.recorded: dict[str, list[Seen]] = {}
+
+    def seen(self, host: str) -> list[Seen]:
+        """The units shown for ``host``: rendered ones, then those only the host records."""
+        return [Seen.of(r) for r in self.target.rendered.get(host, [])] + self.recorded.get(
+            host, []
+        )
 
     def _run(self, host: Host) -> HostSession:
         run = self.runs.get(host.name)
         if run is None or not self.keep:
             run = self.target.session(host, EventLog(Console(quiet=True)))
             self.runs[host.name] = run
+            if self.target.degraded is not None:
+                facts = run.gather()
+                self.recorded[host.name] = [
+                    Seen.recorded(n, facts.units[n]) for n in recorded(facts, run.rendered)
+                ]
         return run
 
     def _look(self, host: Host) -> ProbeResult:
-        run = self._run(host)
-        specs = [probe_spec(r, run.resolved.values, metrics=True) for r in run.rendered]
-        run.agent.keep = self.keep
         try:
+            run = self._run(host)
+            specs = [probe_spec(r, run.resolved.values, metrics=True) for r in run.rendered]
+            # Known from its records alone: its process state and log, no HTTP probe.
+            specs += [
+                ProbeSpec(name=s.name, port=None, health_path=None)
+                for s in self.recorded.get(host.name, [])
+            ]
+            run.agent.keep = self.keep
             return run.agent.observe(host.workdir, specs)
         except DflashopsError:
             self.drop(host.name)  # reconnect next time: the host may come back
@@ -99,12 +119,12 @@ class Watch:
             if outcome.value is not None:
                 view.result = outcome.value
                 at = outcome.value.time or time.time()
-                for r in self.target.rendered.get(name, []):
-                    probe = outcome.value.units.get(r.unit.name)
+                for s in self.seen(name):
+                    probe = outcome.value.units.get(s.name)
                     reading = self.memory.read(
-                        f"{name}/{r.unit.name}", r.unit.engine, probe.metrics if probe else None, at
+                        f"{name}/{s.name}", s.engine or "", probe.metrics if probe else None, at
                     )
-                    view.readings[r.unit.name] = reading
+                    view.readings[s.name] = reading
                     total += reading.tok_s or 0.0
             self.views[name] = view
         self.totals = [*self.totals, total][-HISTORY:]
@@ -125,14 +145,16 @@ def sparkline(values: list[float]) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1)))] for v in values)
 
 
-def unit_state(r: Rendered, p: UnitProbe | None) -> str:
+def unit_state(s: Seen, p: UnitProbe | None) -> str:
+    """The unit's state by the words of states.LEGEND, from one probe."""
     if p is None:
         return "?"
     sup = p.supervisor
     if p.running:
         if sup is not None and sup.restarting:
             return "restarting"
-        if r.unit.kind == "job" or r.unit.port is None:
+        r = s.rendered
+        if s.kind == "job" or r is None or r.unit.port is None or r.launch.health_path is None:
             return "running"
         return "ready" if p.healthy else "starting"
     if p.crashed is not None and p.stopped is None:
@@ -140,36 +162,22 @@ def unit_state(r: Rendered, p: UnitProbe | None) -> str:
     if p.stopped is not None:
         return "stopped"
     if p.exit is not None and p.exit.code is not None:
-        if r.unit.kind == "job":
+        if s.kind == "job":
             return "done" if p.exit.code == 0 else "failed"
         return "dead"
     return "absent" if p.pid is None else "dead"
 
 
 def uptime(p: UnitProbe | None, now: float) -> str:
-    if p is None or not p.running or not p.started_at:
-        return "-"
-    try:
-        began = datetime.strptime(p.started_at, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-    except ValueError:
-        return "-"
-    return duration(now - began.timestamp())
+    """Of the current run: a restart starts it again (status.run_since)."""
+    since = run_since(p.started_at, p.supervisor) if p is not None and p.running else None
+    up = seconds_since(since, now)
+    return "-" if up is None else duration(up)
 
 
 def bar(done: float, total: float, width: int = 20) -> str:
     filled = int(width * min(1.0, done / total)) if total else 0
     return "█" * filled + "░" * (width - filled)
-
-
-STATE_STYLE = {
-    "ready": "green",
-    "running": "green",
-    "done": "green",
-    "starting": "yellow",
-    "restarting": "yellow",
-    "stopped": "dim",
-    "absent": "dim",
-}
 
 
 def add_row(table: Table, *cells: str) -> None:
@@ -245,24 +253,24 @@ def frame(watch: Watch) -> Group:
     fleet = [0.0, 0, 0, 0.0, 0.0]
     for name, view in watch.views.items():
         if view.result is None:
-            reason = escape((view.error or "no answer yet")[:80])
+            reason = escape(shorten(view.error or "no answer yet", 80))
             add_row(servers, name, "-", "[red]unreachable[/]", reason)
             continue
         result = view.result
         gpus = result.gpus
         host_tok, host_ready, host_servers, host_run, host_queue = 0.0, 0, 0, 0.0, 0.0
-        for r in watch.target.rendered.get(name, []):
-            p = result.units.get(r.unit.name)
-            state = unit_state(r, p)
-            style = STATE_STYLE.get(state, "red")
-            restarts = str(p.supervisor.restarts if p and p.supervisor else 0)
-            if r.unit.kind == "service":
-                m = view.readings.get(r.unit.name) or Reading()
-                util, mem = gpu_cells(gpus, r.unit.gpus)
+        for s in watch.seen(name):
+            p = result.units.get(s.name)
+            state = unit_state(s, p)
+            style = STYLE.get(state, "red")
+            restarts = str(restarts_of(p.supervisor, p.running) if p else 0)
+            if s.kind != "job":
+                m = view.readings.get(s.name) or Reading()
+                util, mem = gpu_cells(gpus, s.gpus)
                 add_row(
                     servers,
                     name,
-                    r.unit.name,
+                    s.name,
                     f"[{style}]{state}[/]",
                     shown(m.tok_s, "tok"),
                     shown(m.running, "n"),
@@ -285,7 +293,7 @@ def frame(watch: Watch) -> Group:
                 add_row(
                     jobs,
                     name,
-                    r.unit.name,
+                    s.name,
                     f"[{style}]{state}[/]",
                     bar(done, total) if total else "-",
                     f"{done:,.0f}/{total:,.0f}" if total else "-",
@@ -333,12 +341,12 @@ def top(
         every = parse_duration(interval)
     except ValueError as exc:
         raise DflashopsError(f"--interval {interval!r}: {exc}") from None
-    target = prepare(out, inventory, hosts, playbooks)
+    target = prepare(out, inventory, hosts, playbooks, from_hosts=LOOK)
     watch = Watch(target, forks)
     try:
         watch.refresh()
         if once:
-            if any(r.unit.engine == "vllm" for rs in target.rendered.values() for r in rs):
+            if any(s.engine == "vllm" for h in target.hosts for s in watch.seen(h)):
                 time.sleep(1.0)  # vLLM counts tokens: a rate needs a second sample
                 watch.refresh()
             out.print(frame(watch))

@@ -25,7 +25,7 @@ def _trust_one(out: Console, host: Host, yes: bool, confirm: Confirm | None) -> 
         pinned = parse_key_line(host.host_key)
         state = "matches" if pinned == key else "does NOT match"
         out.print(
-            f"[{host.name}] {name} presents {shown}; the inventory's host_key pin {state} it."
+            f"\\[{host.name}] {name} presents {shown}; the inventory's host_key pin {state} it."
         )
         if pinned != key:
             out.print(
@@ -40,7 +40,7 @@ def _trust_one(out: Console, host: Host, yes: bool, confirm: Confirm | None) -> 
         return True
     for old in previous:
         out.print(
-            f"[{host.name}] {name} had {old.key.get_name()} {fingerprint(old.key)} in {old.source}"
+            f"\\[{host.name}] {name} had {old.key.get_name()} {fingerprint(old.key)} in {old.source}"
         )
     out.print(f"\\[{host.name}] {name} presents {shown}")
     if not yes:

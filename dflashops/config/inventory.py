@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
 
 from dflashops.config.types import (
     Address,
@@ -138,6 +139,40 @@ class HostSpec(HostSettings):
     ] = None
 
 
+class GroupSpec(StrictModel):
+    """A group with template variables for its hosts (the list form is a group without)."""
+
+    hosts: Annotated[list[Name], Field(description="The group's hosts.")]
+    vars: Annotated[
+        dict[Name | str, Any],
+        Field(
+            description="Template variables for every host of the group: they beat defaults.vars "
+            "and the playbook's vars, the host's own vars beat them. Two groups of one host "
+            "that set the same variable to different values are an error (set it on the host)."
+        ),
+    ] = Field(default_factory=dict)
+
+
+def _group_form(value: Any) -> str | None:
+    if isinstance(value, list):
+        return "group[list]"
+    if isinstance(value, dict):
+        return "group[mapping]"
+    return None  # neither: the discriminator's own error, said in words below
+
+
+# `[` in the tags: config/load.py drops them from error paths like pydantic's other tags.
+Group = Annotated[
+    Annotated[list[Name], Tag("group[list]")] | Annotated[GroupSpec, Tag("group[mapping]")],
+    Discriminator(
+        _group_form,
+        custom_error_type="group_form",
+        custom_error_message="a group is a list of hosts, or a mapping with `hosts` "
+        "(a list) and `vars`",
+    ),
+]
+
+
 class InventoryFile(StrictModel):
     """inventory.yaml: hosts, defaults applied to every host, and named groups of hosts."""
 
@@ -146,9 +181,20 @@ class InventoryFile(StrictModel):
     ] = Field(default_factory=HostSettings)
     hosts: Annotated[dict[Name, HostSpec], Field(description="Machines by name.", min_length=1)]
     groups: Annotated[
-        dict[Name, list[Name]],
-        Field(description="Named lists of hosts; playbooks target hosts or groups."),
+        dict[Name, Group],
+        Field(
+            description="Named groups of hosts: a list of hosts, or {hosts: [...], vars: {...}}. "
+            "Playbooks and --host target hosts or groups; `all` is every host (unless a group "
+            "is named `all`), and shell-style globs ('h100-*') match host and group names."
+        ),
     ] = Field(default_factory=dict)
+
+    def members(self) -> dict[str, list[str]]:
+        """Each group's hosts, whichever form it was written in."""
+        return {
+            name: list(g.hosts if isinstance(g, GroupSpec) else g)
+            for name, g in self.groups.items()
+        }
 
 
 @dataclass(frozen=True)
@@ -190,19 +236,45 @@ class Inventory:
     groups: dict[str, list[str]]
 
     def expand(self, names: list[str]) -> list[str]:
-        """Host and group names -> host names, in order, without repeats. Unknown names raise KeyError."""
-        out: list[str] = []
+        """Host and group names, `all` and shell-style globs (fnmatch: `h100-*`, `node[0-3]`)
+        -> host names, in order, without repeats. A name is a group's first, then a host's,
+        then `all` (every host, in inventory order); a glob takes the hosts it matches, then
+        the members of the groups it matches. A name or glob that matches nothing raises
+        KeyError(name)."""
+        out: dict[str, None] = {}
         for name in names:
-            members = self.groups.get(name) or ([name] if name in self.hosts else None)
-            if members is None:
+            members = self._members(name)
+            if not members:
                 raise KeyError(name)
-            out.extend(m for m in members if m not in out)
-        return out
+            out.update(dict.fromkeys(members))
+        return list(out)
+
+    def _members(self, name: str) -> list[str]:
+        if name in self.groups:
+            return self.groups[name]
+        if name in self.hosts:
+            return [name]
+        if name == ALL:
+            return list(self.hosts)
+        if not is_glob(name):
+            return []
+        hosts = [h for h in self.hosts if fnmatchcase(h, name)]
+        groups = [m for g, ms in self.groups.items() if fnmatchcase(g, name) for m in ms]
+        return [*hosts, *groups]
+
+
+ALL = "all"
+
+
+def is_glob(name: str) -> bool:
+    """A host pattern with fnmatch's wildcards (names themselves never hold these)."""
+    return any(c in name for c in "*?[")
 
 
 def resolve_hosts(spec: InventoryFile, inventory_path: Path) -> dict[str, Host]:
     """Apply defaults to every host. Pure: raises ValueError per host on incomplete entries."""
     d = spec.defaults
+    from_groups = group_vars(spec)
     hosts: dict[str, Host] = {}
     for name, h in spec.hosts.items():
         connection = h.connection or d.connection or "ssh"
@@ -223,9 +295,20 @@ def resolve_hosts(spec: InventoryFile, inventory_path: Path) -> dict[str, Host]:
             host_key=h.host_key,
             host_key_policy=h.host_key_policy or d.host_key_policy or "strict",
             env={**d.env, **h.env},
-            vars={**d.vars, **h.vars},
+            vars={**d.vars, **from_groups.get(name, {}), **h.vars},
             webhook=notify.webhook if (notify := h.notify or d.notify) is not None else None,
             internal_address=h.internal_address,
             net_if=h.net_if or d.net_if,
         )
     return hosts
+
+
+def group_vars(spec: InventoryFile) -> dict[str, dict[str, Any]]:
+    """Each host's variables from its groups, in file order (two groups that disagree on one
+    are refused when the inventory loads: config/load.py)."""
+    out: dict[str, dict[str, Any]] = {}
+    for group in spec.groups.values():
+        if isinstance(group, GroupSpec) and group.vars:
+            for host in group.hosts:
+                out.setdefault(host, {}).update(group.vars)
+    return out

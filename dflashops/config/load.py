@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
 
-from dflashops.config.inventory import Inventory, InventoryFile, resolve_hosts
+from dflashops.config.inventory import GroupSpec, Inventory, InventoryFile, resolve_hosts
 from dflashops.config.playbook import PlaybookFile, PlaybookHead, Service
 from dflashops.config.yamlsource import Document, PathKey, read_yaml
 from dflashops.errors import ConfigError, Problem
+from dflashops.output import shorten
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -45,7 +46,7 @@ def validate(doc: Document, model: type[M], what: str) -> M:
     try:
         return model.model_validate(doc.data)
     except ValidationError as exc:
-        raise ConfigError(located_problems(doc, model, exc)) from None
+        raise ConfigError(in_order(located_problems(doc, model, exc))) from None
 
 
 def load_inventory(path: Path) -> Inventory:
@@ -56,11 +57,19 @@ def load_inventory(path: Path) -> Inventory:
     try:
         spec = validate(doc, InventoryFile, "inventory")
     except ConfigError as exc:
-        raise ConfigError(exc.problems + problems) from None
+        raise ConfigError(in_order(exc.problems + problems)) from None
+    problems += _group_var_clashes(doc, spec)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(in_order(problems))
     hosts = resolve_hosts(spec, path)
-    return Inventory(path=path, hosts=hosts, groups={g: list(m) for g, m in spec.groups.items()})
+    return Inventory(path=path, hosts=hosts, groups=spec.members())
+
+
+def in_order(problems: list[Problem]) -> list[Problem]:
+    """Problems by file, line and column (a problem without a line first in its file, as it is
+    about the whole file); the order found among equals, each once."""
+    unique = list(dict.fromkeys(problems))
+    return sorted(unique, key=lambda p: (p.file, p.line or 0, p.column or 0))
 
 
 def _inventory_references(doc: Document) -> list[Problem]:
@@ -84,10 +93,52 @@ def _inventory_references(doc: Document) -> list[Problem]:
     for group, members in groups.items():
         if group in hosts:
             problems.append(doc.problem(("groups", group), f"{group!r} is already a host name"))
+        where: PathKey = ("groups", group)
+        if isinstance(members, dict):
+            members, where = members.get("hosts"), (*where, "hosts")
         for i, member in enumerate(members if isinstance(members, list) else []):
             if isinstance(member, str) and member not in hosts:
-                problems.append(doc.problem(("groups", group, i), f"unknown host {member!r}"))
+                close = difflib.get_close_matches(member, [str(h) for h in hosts], n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                problems.append(doc.problem((*where, i), f"unknown host {member!r}{hint}"))
     return problems
+
+
+def _group_var_clashes(doc: Document, spec: InventoryFile) -> list[Problem]:
+    """Two groups of one host that set one variable to different values, where the host does
+    not set it itself: which one wins would be an accident of the file's order."""
+    clashes: dict[tuple[str, str, str], list[str]] = {}
+    values: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+    for host, spec_host in spec.hosts.items():
+        first: dict[str, tuple[str, Any]] = {}
+        for group, g in spec.groups.items():
+            if not isinstance(g, GroupSpec) or host not in g.hosts:
+                continue
+            for var, value in g.vars.items():
+                if var in spec_host.vars:
+                    continue
+                earlier = first.setdefault(var, (group, value))
+                if earlier[1] != value:
+                    key = (earlier[0], group, var)
+                    clashes.setdefault(key, []).append(host)
+                    values[key] = (earlier[1], value)
+    problems = []
+    for (one, other, var), hosts in clashes.items():
+        a, b = values[(one, other, var)]
+        problems.append(
+            doc.problem(
+                ("groups", other, "vars", var),
+                f"groups {one} and {other} both set `{var}` for {_hosts(hosts)} "
+                f"({_shown(a)} and {_shown(b)}): set it in the host's own vars (they win) "
+                "or in one group only",
+            )
+        )
+    return problems
+
+
+def _hosts(names: list[str]) -> str:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return f"host{'s' if len(names) > 1 else ''} {shown}"
 
 
 def load_playbook(path: Path) -> Playbook:
@@ -247,7 +298,7 @@ def _message(
 
 def _shown(value: Any) -> str:
     text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return shorten(text, 60)
 
 
 def _allowed_keys(model: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
@@ -274,6 +325,9 @@ def _step(annotation: Any, part: Any) -> Any:
     if origin in (list, dict):
         return typing.get_args(annotation)[-1]
     if origin in (typing.Union, types.UnionType, typing.Annotated):
+        for arg in typing.get_args(annotation):  # a tagged branch (groups' two forms)
+            if any(isinstance(m, Tag) and m.tag == part for m in getattr(arg, "__metadata__", ())):
+                return typing.get_args(arg)[0]
         for arg in typing.get_args(annotation):
             found = _step(arg, part)
             if found is not None:

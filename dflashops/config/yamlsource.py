@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from dflashops.config import reads
+from dflashops.config import reads, yamlfaults
 from dflashops.errors import ConfigError, Problem
 
 PathKey = tuple[str | int, ...]
@@ -79,7 +79,7 @@ class _Builder:
                 )
                 continue
             if not isinstance(key_node, yaml.ScalarNode):
-                self._problem(key_node, path, "a mapping key must be a plain value")
+                self._problem(key_node, path, _not_plain(node, key_node))
                 continue
             key = self._constructor.construct_object(key_node, deep=True)
             if not isinstance(key, (str, int)) or isinstance(key, bool):
@@ -107,6 +107,20 @@ class _Builder:
         )
 
 
+def _not_plain(mapping: yaml.MappingNode, key: yaml.Node) -> str:
+    # `model: {{ model }}` is YAML for a mapping whose key is a mapping: a template value left
+    # unquoted, by far the usual way to get here.
+    if (
+        mapping.flow_style
+        and isinstance(key, yaml.MappingNode)
+        and key.flow_style
+        and mapping.start_mark.line == key.start_mark.line
+        and key.start_mark.column == mapping.start_mark.column + 1
+    ):
+        return 'a value that starts with `{{` must be quoted: write it as "{{ name }}"'
+    return "a mapping key must be a plain value"
+
+
 class _TooBig(Exception):
     pass
 
@@ -128,12 +142,12 @@ def parse_yaml(text: str, file: str) -> Document:
         problem = f"invalid YAML: character {text[exc.start]!r} is not valid Unicode"
         raise ConfigError([Problem(file, problem, row, col)]) from None
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark
-        line, column = (mark.line + 1, mark.column + 1) if mark is not None else (None, None)
-        reason = exc.problem or str(exc)
-        if exc.context:
-            reason = f"{reason} ({exc.context})"
-        raise ConfigError([Problem(file, f"invalid YAML: {reason}", line, column)]) from None
+        fault = yamlfaults.explain(exc, text)
+        if fault is None:
+            reason = f"{exc.problem} ({exc.context})" if exc.context else exc.problem or str(exc)
+            raise ConfigError([Problem(file, f"invalid YAML: {reason}")]) from None
+        located = Problem(file, f"invalid YAML: {fault.reason}", fault.line, fault.column)
+        raise ConfigError([located]) from None
     except yaml.YAMLError as exc:  # e.g. multiple documents
         raise ConfigError([Problem(file, f"invalid YAML: {exc}")]) from None
     if node is None:

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import posixpath
 import re
 import shlex
+import traceback
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +25,11 @@ from jinja2 import (
     FileSystemLoader,
     StrictUndefined,
     TemplateError,
+    TemplateNotFound,
+    TemplateSyntaxError,
 )
 from jinja2.loaders import split_template_path
+from jinja2.utils import missing
 
 from dflashops import __version__
 from dflashops.config import reads
@@ -156,10 +161,30 @@ class _Loader(FileSystemLoader):
         return super().get_source(environment, template)
 
 
+class _Strict(StrictUndefined):
+    """An undefined name or field said in a template author's words, not as a Python class."""
+
+    @property
+    def _undefined_message(self) -> str:
+        name, obj = self._undefined_name, self._undefined_obj
+        if self._undefined_hint:
+            return self._undefined_hint
+        if obj is missing:
+            return f"`{name}` is not defined (a template sees: {', '.join(CONTEXT)})"
+        if isinstance(obj, _UnitView):
+            return f"unit {obj.name} has no field `{name}` (a unit has: {', '.join(UNIT_FIELDS)})"
+        kind = type(obj).__name__.strip("_")
+        return (
+            f"`{name}` is not a field of {obj!r}"
+            if len(repr(obj)) <= 40
+            else f"a {kind} has no `{name}`"
+        )
+
+
 def make_environment(override_dirs: list[Path]) -> Environment:
     env = Environment(
         loader=_Loader([*(str(d) for d in override_dirs), str(builtin_templates())]),
-        undefined=StrictUndefined,
+        undefined=_Strict,
         finalize=_finalize,
         autoescape=False,
         auto_reload=False,  # one run renders with one set of templates: no stat per unit
@@ -219,10 +244,14 @@ def render_unit(env: Environment, unit: Unit) -> Rendered:
         ],
         "version": __version__,
     }
-    template = env.get_template(template_name(unit))
-    # Rendered once: the fingerprint is a placeholder, filled in after hashing the script with
-    # it empty (the text a render with fingerprint "" gives, so fingerprints do not change).
-    out = template.render(fingerprint=_FINGERPRINT, **context)
+    try:
+        template = env.get_template(template_name(unit))
+        # Rendered once: the fingerprint is a placeholder, filled in after hashing the script
+        # with it empty (the text a render with fingerprint "" gives, so fingerprints do not
+        # change).
+        out = template.render(fingerprint=_FINGERPRINT, **context)
+    except Exception as exc:  # a user's template can fail in any way: said at its own line
+        raise TemplateFault.of(exc, env) from None
     if _FINGERPRINT.strip("@") in out.replace(_FINGERPRINT, ""):
         raise TemplateError("`fingerprint` must be used whole (`{{ fingerprint|q }}`), not cut")
     draft = out.replace(_FINGERPRINT, quote(""))
@@ -256,19 +285,119 @@ def render_units(
     env = make_environment(override_dirs)
     rendered: list[Rendered] = []
     problems: list[Problem] = []
+    # One mistake in a template fails every unit rendered with it: said once per place in the
+    # template, naming the first unit and counting the others.
+    faults: dict[tuple[str, int, str], list[Unit]] = {}
+    first: dict[tuple[str, int, str], TemplateFault] = {}
     for unit in units:
         try:
             result = render_unit(env, unit)
+        except TemplateFault as exc:
+            if exc.file is None or exc.line is None:
+                problems.append(unit.problem(f"template {template_name(unit)}: {exc.text}"))
+            else:
+                key = (exc.file, exc.line, exc.kind)
+                first.setdefault(key, exc)
+                faults.setdefault(key, []).append(unit)
+            continue
         except TemplateError as exc:
             problems.append(unit.problem(f"template {template_name(unit)}: {exc}"))
             continue
         problems.extend(result.launch.problems)
         rendered.append(result)
+    for key, failed in faults.items():
+        problems.append(first[key].problem(failed))
     return rendered, problems
+
+
+class TemplateFault(TemplateError):
+    """A launch template that failed to load or render, at its own file and line when the
+    traceback (or a syntax error) says where."""
+
+    def __init__(self, text: str, kind: str, file: str | None, line: int | None) -> None:
+        super().__init__(text)
+        self.text, self.kind, self.file, self.line = text, kind, file, line
+
+    @classmethod
+    def of(cls, exc: Exception, env: Environment) -> TemplateFault:
+        text = str(exc) if isinstance(exc, TemplateError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, TemplateNotFound):
+            text = f"template {exc.name!r} not found (in {', '.join(_searchpath(env))})"
+        file, line = _site(exc, _searchpath(env))
+        return cls(text, type(exc).__name__, file, line)
+
+    def problem(self, units: Sequence[Unit]) -> Problem:
+        """Said at the template's line, naming the first unit it failed (and its place in its
+        playbook) and how many more."""
+        unit = units[0]
+        at = unit.problem("")
+        place = f"{at.file}:{at.line}" if at.line is not None else at.file
+        more = f" and {len(units) - 1} more unit(s)" if len(units) > 1 else ""
+        text = f"{self.text}; rendering {unit.host.name}/{unit.name} ({place}){more}"
+        return Problem(_shown_path(self.file or ""), text, self.line)
+
+
+def _searchpath(env: Environment) -> list[str]:
+    loader = env.loader
+    return list(loader.searchpath) if isinstance(loader, FileSystemLoader) else []
+
+
+def _site(exc: BaseException, roots: list[str]) -> tuple[str | None, int | None]:
+    """The template file and line an error happened at: a syntax error says it; otherwise the
+    innermost frame of Jinja's rewritten traceback that is a template's."""
+    if isinstance(exc, TemplateSyntaxError) and exc.filename and exc.lineno:
+        return exc.filename, exc.lineno
+    bases = [os.path.normpath(r) + os.sep for r in roots]
+    site: tuple[str | None, int | None] = (None, None)
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if any(os.path.normpath(frame.filename).startswith(b) for b in bases):
+            site = (frame.filename, frame.lineno)
+    return site
+
+
+def _shown_path(path: str) -> str:
+    """A template's path as the user would type it: relative to here when it is below it."""
+    try:
+        relative = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return path if relative.startswith("..") else relative
+
+
+# What a template is given (render_unit's context), for the message about an undefined name.
+CONTEXT = (
+    "unit",
+    "argv",
+    "env",
+    "secrets",
+    "secrets_env",
+    "secret_files",
+    "version",
+    "fingerprint",
+)
 
 
 class _UnitView:
     """What templates see of a unit: plain values, nothing that could reach the host."""
+
+    # Its fields, named once: also what the message about a field it lacks lists.
+    __slots__ = (
+        "cuda_visible_devices",
+        "dp",
+        "engine",
+        "env_path",
+        "gpus",
+        "host",
+        "kind",
+        "name",
+        "nodes",
+        "playbook",
+        "port",
+        "rank",
+        "rendezvous",
+        "replica",
+        "tp",
+    )
 
     def __init__(self, unit: Unit) -> None:
         self.name = unit.name
@@ -290,3 +419,6 @@ class _UnitView:
         self.nodes = list(unit.nodes) if unit.multi_node else []
         self.rank = unit.rank
         self.rendezvous = f"{unit.head}:{unit.dist_port}" if unit.multi_node else ""
+
+
+UNIT_FIELDS = _UnitView.__slots__

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from dflashops.errors import HostError
 from dflashops.hosts.untrusted import LINE_LIMIT, too_large
+from dflashops.output import shorten
 
 Command = str | Sequence[str]
 # stdin: bytes, or chunks produced while the command runs (a large transfer never sits whole in
@@ -68,7 +69,7 @@ class CommandError(HostError):
 
     def __init__(self, host: str, result: Result, what: str = "") -> None:
         self.result = result
-        shown = result.command if len(result.command) <= 200 else result.command[:197] + "..."
+        shown = shorten(result.command, 200)
         lines = [f"{what or 'command'} failed with exit code {result.exit_code}: {shown}"]
         if result.err.strip():
             lines.append("  stderr (last lines):\n" + tail(result.err))

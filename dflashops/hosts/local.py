@@ -14,6 +14,7 @@ from typing import IO
 from dflashops.hosts.base import BaseConnection
 from dflashops.hosts.connection import CommandTimeout, Result, Sink, Stream, StreamEnded
 from dflashops.hosts.untrusted import keep_tail
+from dflashops.output import shorten
 
 # What runs on a local host (the agent, and so every unit it starts) gets of the controller's
 # environment (DESIGN trust 5): the operator's shell may hold cloud keys, tokens and webhook
@@ -78,7 +79,7 @@ class LocalConnection(BaseConnection):
             proc.kill()
             proc.wait()
             raise CommandTimeout(
-                self.host, f"command timed out after {timeout:.0f}s: {shell[:200]}"
+                self.host, f"command timed out after {timeout:.0f}s: {shorten(shell, 200)}"
             ) from None
         for t in threads:
             t.join()

@@ -23,6 +23,7 @@ from dflashops.config.inventory import Host
 from dflashops.errors import HostError
 from dflashops.hosts.base import BaseConnection
 from dflashops.hosts.connection import CommandTimeout, Result, Sink, Stream, StreamEnded
+from dflashops.hosts.failures import quiet, why_not
 from dflashops.hosts.hostkeys import (
     ChangedHostKey,
     KnownKey,
@@ -32,9 +33,11 @@ from dflashops.hosts.hostkeys import (
     lookup,
 )
 from dflashops.hosts.untrusted import keep_tail
+from dflashops.output import shorten, trace, verbose
 
 CONNECT_TIMEOUT = 15.0
 KEEPALIVE = 30
+quiet()  # paramiko's tracebacks of expected failures stay off the terminal (but with -v)
 
 
 SEND_PIECE = 1 << 18
@@ -165,51 +168,49 @@ class SshConnection(BaseConnection):
     def open(self) -> None:
         if self.fabric.is_connected:
             return
+        started = time.monotonic()
         known = _prepare_keys(self.fabric, self.spec, self.spec.host_key)
         try:
             self.fabric.open()
-        except paramiko.BadHostKeyException as exc:
-            expected = next((k for k in known if k.key.get_name() == exc.key.get_name()), None)
-            expected = expected or KnownKey(exc.expected_key, "known_hosts")
-            name = key_name(self.fabric.host, self.fabric.port)
-            raise ChangedHostKey(
-                self.host, changed_message(self.host, name, exc.key, expected)
-            ) from None
-        except HostError:
-            raise
-        except paramiko.AuthenticationException as exc:
-            keys = self.fabric.connect_kwargs.get("key_filename") or [
-                "(none given: agent and ~/.ssh defaults)"
-            ]
-            raise HostError(
-                self.host,
-                f"authentication failed for {self.where} with key(s) {', '.join(map(str, keys))}: {exc}",
-                "Check `user` and `key_file` in the inventory and that the public key is in the host's authorized_keys.",
-            ) from None
-        except socket.gaierror as exc:
-            raise HostError(
-                self.host,
-                f"cannot resolve {self.fabric.host!r} (DNS): {exc.strerror}; check `address`",
-            ) from None
-        except paramiko.ssh_exception.NoValidConnectionsError:
-            raise HostError(
-                self.host,
-                f"connection refused at {self.fabric.host}:{self.fabric.port}: is sshd running there and is the port "
-                "right? (re-provisioned nodes often change SSH port)",
-            ) from None
-        except TimeoutError:
-            raise HostError(
-                self.host,
-                f"timed out after {self.timeout:.0f}s connecting to {self.fabric.host}:{self.fabric.port}",
-            ) from None
-        except (paramiko.SSHException, OSError, EOFError) as exc:
-            raise HostError(
-                self.host, f"cannot connect to {self.where}: {exc or type(exc).__name__}"
-            ) from None
+        except Exception as exc:
+            failure = self._refusal(exc, known)
+            # paramiko's thread would wait out its banner timeout (and log) after we report
+            with contextlib.suppress(Exception):
+                self.fabric.client.close()
+            if failure is None:
+                raise  # not a connection failure: a bug, shown as one
+            raise failure from None
         transport = self.fabric.client.get_transport()
         if transport is not None:
             transport.set_keepalive(KEEPALIVE)
             no_delay(transport)
+        if verbose():
+            trace(self.host, f"connect {self.where}", time.monotonic() - started)
+
+    def _refusal(self, exc: Exception, known: list[KnownKey]) -> HostError | None:
+        """``exc`` from opening the connection as one line: the host, where, what to do (None:
+        not a failure to connect)."""
+        if isinstance(exc, paramiko.BadHostKeyException):
+            expected = next((k for k in known if k.key.get_name() == exc.key.get_name()), None)
+            expected = expected or KnownKey(exc.expected_key, "known_hosts")
+            name = key_name(self.fabric.host, self.fabric.port)
+            return ChangedHostKey(self.host, changed_message(self.host, name, exc.key, expected))
+        if isinstance(exc, HostError):  # the host key policy's own refusal
+            return exc
+        if isinstance(exc, paramiko.AuthenticationException):
+            keys = self.fabric.connect_kwargs.get("key_filename") or [
+                "(none given: agent and ~/.ssh defaults)"
+            ]
+            said = str(exc).rstrip(".") or type(exc).__name__
+            return HostError(
+                self.host,
+                f"authentication failed for {self.where} with key(s) {', '.join(map(str, keys))}: {said}",
+                "Check `user` and `key_file` in the inventory and that the public key is in the host's authorized_keys.",
+            )
+        if not isinstance(exc, (paramiko.SSHException, OSError, EOFError)):
+            return None
+        transport = self.fabric.client.get_transport()
+        return why_not(self.host, self.fabric.host, self.fabric.port, exc, transport, self.timeout)
 
     def execute(
         self, shell: str, input: Iterable[bytes], timeout: float | None, sink: Sink | None
@@ -228,7 +229,7 @@ class SshConnection(BaseConnection):
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise HostError(
                 self.host,
-                f"connection to {self.where} lost while running {shell[:120]!r}: {exc or type(exc).__name__}",
+                f"connection to {self.where} lost while running {shorten(shell, 120)!r}: {exc or type(exc).__name__}",
             ) from None
         except BaseException:  # the sink refused what came (too large, unwritable): end it now
             if channel is not None:
@@ -238,7 +239,8 @@ class SshConnection(BaseConnection):
         channel.close()
         if code == -1:
             raise HostError(
-                self.host, f"connection to {self.where} lost: no exit status for {shell[:120]!r}"
+                self.host,
+                f"connection to {self.where} lost: no exit status for {shorten(shell, 120)!r}",
             )
         return code, out, err
 
@@ -286,7 +288,7 @@ class SshConnection(BaseConnection):
                 channel.close()
                 raise CommandTimeout(
                     self.host,
-                    f"command timed out after {timeout:.0f}s (it may still be running on the host): {shell[:200]}",
+                    f"command timed out after {timeout:.0f}s (it may still be running on the host): {shorten(shell, 200)}",
                 )
             if not got:
                 select.select([channel], [], [], 0.05)
@@ -307,26 +309,21 @@ class SshConnection(BaseConnection):
     def host_key(self) -> paramiko.PKey:
         """The key the server presents (no authentication, nothing recorded): for `trust`."""
         sock: Any
+        at = (self.fabric.host, self.fabric.port)
         if isinstance(self.fabric.gateway, FabricConnection):
             _prepare_keys(self.fabric.gateway, self.spec, None)
             sock = self.fabric.open_gateway()
         else:
             try:
-                sock = socket.create_connection(
-                    (self.fabric.host, self.fabric.port), timeout=self.timeout
-                )
+                sock = socket.create_connection(at, timeout=self.timeout)
             except OSError as exc:
-                raise HostError(
-                    self.host, f"cannot reach {self.fabric.host}:{self.fabric.port}: {exc}"
-                ) from None
+                raise why_not(self.host, *at, exc, None, self.timeout) from None
         transport = paramiko.Transport(sock)
         try:
             transport.start_client(timeout=self.timeout)
             return transport.get_remote_server_key()
         except (paramiko.SSHException, EOFError, OSError) as exc:
-            raise HostError(
-                self.host, f"no SSH server answered at {self.fabric.host}:{self.fabric.port}: {exc}"
-            ) from None
+            raise why_not(self.host, *at, exc, transport, self.timeout) from None
         finally:
             transport.close()
 

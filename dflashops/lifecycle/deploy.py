@@ -33,9 +33,9 @@ from dflashops.changes.verdicts import (
 )
 from dflashops.engines.render import Rendered
 from dflashops.engines.secrets import files as secret_files
-from dflashops.hosts.inert import inert
 from dflashops.lifecycle.ready import Readiness
 from dflashops.lifecycle.stage import Stage
+from dflashops.output import inert
 from dflashops.plan.model import span_of
 from dflashops.preflight.parsers import before_restart
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from dflashops.config.inventory import Host
-from dflashops.errors import DflashopsError, HostBusy
+from dflashops.errors import DflashopsError, HostError
 
 T = TypeVar("T")
 
@@ -24,7 +24,9 @@ class Outcome(Generic[T]):
     value: T | None = None
     error: str | None = None
     unexpected: bool = False  # an exception that is a dflashops bug, not a host problem
-    busy: bool = False  # reached, but another actor holds its deploy lock
+    # The host answered, yet the work could not be done there (another actor holds its deploy
+    # lock, its python is missing): failed, not unreachable; the fix is on the host.
+    reached: bool = False
     # What was raised, kept whole (Invoke's Failure keeps its Result): its parts, not its text.
     exception: Exception | None = field(default=None, compare=False, repr=False)
 
@@ -54,10 +56,9 @@ def on_hosts(
     def one(host: Host) -> Outcome[T]:
         try:
             return Outcome(host.name, value=fn(host))
-        except HostBusy as exc:
-            return Outcome(host.name, error=str(exc), busy=True, exception=exc)
         except DflashopsError as exc:
-            return Outcome(host.name, error=str(exc), exception=exc)
+            reached = isinstance(exc, HostError) and exc.reached  # HostBusy, PythonMissing
+            return Outcome(host.name, error=str(exc), reached=reached, exception=exc)
         except Exception as exc:  # reported per host: one bug never hides the other hosts
             error = f"internal error ({type(exc).__name__}: {exc})"
             return Outcome(host.name, error=error, unexpected=True, exception=exc)

@@ -21,10 +21,9 @@ def targets(inventory: Inventory, book: Playbook) -> tuple[list[str], list[Probl
             names.extend(n for n in inventory.expand([pattern]) if n not in names)
         except KeyError:
             where: PathKey = ("hosts",) if isinstance(book.head.hosts, str) else ("hosts", i)
-            known = ", ".join(sorted([*inventory.hosts, *inventory.groups]))
             problems.append(
                 book.doc.problem(
-                    where, f"unknown host or group {pattern!r} (inventory has: {known})"
+                    where, f"unknown host or group {pattern!r} (inventory has: {known(inventory)})"
                 )
             )
     return names, problems
@@ -87,9 +86,10 @@ def _members(
         try:
             members = inventory.expand([name])
         except KeyError:
-            known = ", ".join(sorted([*inventory.hosts, *inventory.groups]))
             problems.append(
-                where(f"unknown host or group {name!r} in nodes (inventory has: {known})")
+                where(
+                    f"unknown host or group {name!r} in nodes (inventory has: {known(inventory)})"
+                )
             )
             ok = False
             continue
@@ -100,3 +100,14 @@ def _members(
             else:
                 seen.append(m)
     return seen if ok else None
+
+
+# More names than this are counted, not listed: a 1,000-host inventory is not one line.
+LISTED = 20
+
+
+def known(inventory: Inventory) -> str:
+    """The host and group names a pattern may use, sorted, the first LISTED of them."""
+    names = sorted([*inventory.hosts, *inventory.groups])
+    more = f" and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(names[:LISTED]) + more

@@ -133,6 +133,8 @@ def _gpu_count_problem(
     """Why the service's GPUs cannot add up on this host (a list of the wrong length, more than
     the host has), or None."""
     if explicit is not None and len(explicit) != per_replica * svc.replicas:
+        if isinstance(svc, CommandService):
+            return _command_gpus_problem(svc, len(explicit))
         return (
             f"lists {len(explicit)} GPU(s) but {svc.replicas} replica(s) x tp*dp {per_replica} "
             f"need {per_replica * svc.replicas}"
@@ -150,6 +152,19 @@ def _gpu_count_problem(
             f"but host {host.name} has {host.gpus}"
         )
     return None
+
+
+def _command_gpus_problem(svc: CommandService, listed: int) -> str:
+    """A command service's GPU list against its ``gpus_per_replica`` (it has no tp or dp),
+    with the value that would make the list fit, when there is one."""
+    need = svc.gpus_per_replica * svc.replicas
+    said = (
+        f"lists {listed} GPU(s) but {svc.replicas} replica(s) x gpus_per_replica "
+        f"{svc.gpus_per_replica} need {need}"
+    )
+    if listed % svc.replicas == 0:
+        return f"{said}: set `gpus_per_replica: {listed // svc.replicas}` (GPUs each replica uses)"
+    return f"{said}: list {svc.replicas} x gpus_per_replica GPUs, or change `replicas`"
 
 
 def _ray_units(

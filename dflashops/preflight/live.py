@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from dflashops.agent import Agent
 from dflashops.agent.answers import HostFacts
 from dflashops.agent.transfer import diff, human, listing, space_problem
+from dflashops.changes.verdicts import port_holder
 from dflashops.config.inventory import Host
 from dflashops.config.playbook import ModelService, VllmService
 from dflashops.engines import launch_for
@@ -360,22 +361,14 @@ def _ports(units: list[Unit], facts: HostFacts) -> list[Check]:
             checks.append(Check("live-ports", subject, True, "free"))
             continue
         mine = facts.unit(u.name)
-        ours = mine is not None and mine.running and set(listener.pids) & set(mine.group_pids)
-        if ours:
+        ours = set(mine.group_pids) if mine is not None and mine.running else set()
+        held = port_holder(u.port, [listener], ours)
+        if held is None:
             checks.append(Check("live-ports", subject, True, f"held by {u.name} itself"))
         else:
-            holder = (
-                f"pid {', '.join(map(str, listener.pids))}"
-                if listener.pids
-                else "a process we cannot see"
-            )
+            what, todo = held
             checks.append(
-                Check(
-                    "live-ports",
-                    subject,
-                    False,
-                    f"[{u.host.name}] port {u.port} for {u.name} is taken by {holder}, not by a dflashops unit",
-                )
+                Check("live-ports", subject, False, f"[{u.host.name}] {u.name}: {what}: {todo}")
             )
     return checks
 

@@ -25,6 +25,7 @@ from dflashops.engines.render import Rendered, render_units, template_dirs
 from dflashops.engines.secrets import looks_secret
 from dflashops.errors import Problem
 from dflashops.plan import Plan, Unit, build_plan
+from dflashops.plan.expand import Unfilled, derived
 from dflashops.preflight.bash_syntax import Verdict, check_scripts
 from dflashops.preflight.memo import Passed, key
 from dflashops.preflight.report import (
@@ -77,8 +78,10 @@ def run_preflight(selection: Selection, *, keep_rendered: bool = True) -> Report
         report.add(Check.failed("config", problem.file, problem))
     plan = build_plan(selection.inventory, selection.playbooks, selection.hosts)
     report.plan = plan
+    unfilled = [p for p in plan.problems if isinstance(p, Unfilled)]
     for problem in plan.problems:
-        report.add(Check.failed("layout", problem.file, problem))
+        if not derived(problem, unfilled):
+            report.add(Check.failed("layout", problem.file, problem))
     for host, host_plan in plan.hosts.items():
         report.add(Check("layout", host, True, f"{len(host_plan.units)} units"))
     _look_at_node_state(plan)
@@ -93,7 +96,8 @@ def run_preflight(selection: Selection, *, keep_rendered: bool = True) -> Report
     parts = spread(check, len(units), workers)
     for part in parts:  # every render problem first, then the checks, as one serial run
         for problem in part.problems:
-            report.add(Check.failed("render", problem.file, problem))
+            if not derived(problem, unfilled):
+                report.add(Check.failed("render", problem.file, problem))
     recorder = reads.current()
     shipped: dict[ShippedFile, list[str]] = {}
     hosts: set[str] = set()

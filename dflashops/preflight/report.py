@@ -6,12 +6,14 @@ builds its report and output from this module alone, without the loader, planner
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 from xml.etree import ElementTree as ET
 
 from dflashops.errors import Problem
+from dflashops.output import shorten
 
 if TYPE_CHECKING:
     from dflashops.engines.render import Rendered
@@ -51,6 +53,12 @@ class Check:
         ]
 
 
+def in_order(checks: list[Check]) -> list[Check]:
+    """By file, then line (a check on the whole file first in it); checks about no file (a
+    host, a unit) after every file's, in the order they were made."""
+    return sorted(checks, key=lambda c: (c.file is None, c.file or "", c.line or 0))
+
+
 FIELDS = tuple(f.name for f in fields(Check))  # in order: a row's and the JSON's keys
 
 
@@ -66,11 +74,12 @@ class Report:
 
     @property
     def errors(self) -> list[Check]:
-        return [c for c in self.checks if not c.ok and c.severity == "error"]
+        """Failed checks by file and line (what is not in a file last), as they are printed."""
+        return in_order([c for c in self.checks if not c.ok and c.severity == "error"])
 
     @property
     def warnings(self) -> list[Check]:
-        return [c for c in self.checks if not c.ok and c.severity == "warning"]
+        return in_order([c for c in self.checks if not c.ok and c.severity == "warning"])
 
     @property
     def ok(self) -> bool:
@@ -116,7 +125,7 @@ def to_junit(report: Report) -> str:
                 case.set("line", str(c.line))
             if not c.ok and c.severity == "error":
                 ET.SubElement(
-                    case, "failure", message=c.message.splitlines()[0][:500]
+                    case, "failure", message=shorten(c.message.splitlines()[0], 500)
                 ).text = c.message
             elif not c.ok:
                 ET.SubElement(case, "system-out").text = f"warning: {c.message}"
@@ -125,6 +134,9 @@ def to_junit(report: Report) -> str:
 
 def write_outputs(report: Report, json_path: str | None, junit_path: str | None) -> None:
     for path, render in ((json_path, to_json), (junit_path, to_junit)):
-        if path:
+        if path == "-":  # `--json -`: stdout is the document's alone (people's lines: stderr)
+            sys.stdout.write(render(report) + "\n")
+            sys.stdout.flush()
+        elif path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(render(report) + "\n", encoding="utf-8")

@@ -2,8 +2,9 @@
 against the sshd test fleet and look at what really happened on the hosts.
 
 - `Ops`: an inventory for a fleet, playbooks written into tmp_path, `run(...)` calling
-  `dflashops.cli.main` with `-i/-p/--json`, returning the exit code, the JSON events and the
-  console output. `cleanup()` stops every unit of every playbook it wrote.
+  `dflashops.cli.main` with `-i/-p/--json`, returning the exit code, the JSON events (for
+  `status`: its --json document instead, `Result.document`, `Result.rows()`) and the console
+  output. `cleanup()` stops every unit of every playbook it wrote.
 - host-side views: a unit's folder, pid record, engine pid, fake GPU processes, SSH sessions
   (generic /proc helpers and free ports are in tests/procs.py).
 """
@@ -119,6 +120,16 @@ class Result:
     events: list[dict[str, Any]]
     out: str
     seconds: float
+    document: dict[str, Any] | None = None  # `status --json FILE`: one document, no events
+
+    def rows(self) -> dict[str, dict[str, Any]]:
+        """The status document's units by name; a name on two hosts fails (key those by
+        (host, unit) from ``document["units"]``)."""
+        assert self.document is not None, f"status wrote no --json document\n{self.explain()}"
+        units = self.document["units"]
+        rows = {row["unit"]: row for row in units}
+        assert len(rows) == len(units), f"a unit name on two hosts: {units}"
+        return rows
 
     def of(
         self,
@@ -204,11 +215,14 @@ class Ops:
             code = main(argv)
         seconds = time.monotonic() - t0
         out = buf.getvalue()
-        events = []
-        if events_path.exists():
-            events = [json.loads(x) for x in events_path.read_text().splitlines() if x.strip()]
         self.log.append(f"$ dflashops {' '.join(argv)}  -> {code} in {seconds:.1f}s\n{out}")
         print(self.log[-1])
+        if not events_path.exists():
+            return Result(code, [], out, seconds)
+        text = events_path.read_text()
+        if command == "status":  # its --json FILE is one document, not events
+            return Result(code, [], out, seconds, json.loads(text))
+        events = [json.loads(x) for x in text.splitlines() if x.strip()]
         return Result(code, events, out, seconds)
 
     def cleanup(self) -> list[str]:

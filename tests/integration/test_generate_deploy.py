@@ -118,14 +118,15 @@ def test_generation_playbooks_end_to_end(
         rows: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            status_json = tmp_path / "status.jsonl"
+            status_json = tmp_path / "status.json"
             cli("status", "--json", str(status_json))
-            rows = {r["unit"]: r for r in map(json.loads, status_json.read_text().splitlines())}
+            rows = {r["unit"]: r for r in json.loads(status_json.read_text())["units"]}
             if rows["generate"]["state"] in ("done", "failed", "dead"):
                 break
             time.sleep(0.5)
         assert rows["generate"]["state"] == "done", rows
-        assert rows["generate"]["progress"] == "40/40"
+        progress = rows["generate"]["progress"]
+        assert progress is not None and (progress["done"], progress["total"]) == (40, 40), rows
         assert all(rows[f"sglang-{i}"]["state"] == "ready" for i in range(3)), rows
         records = [
             json.loads(line)

@@ -543,10 +543,10 @@ def test_drift_running_server_reports_dp2_where_playbook_says_dp1(
     info = http_json(port, "/server_info")
     assert (info["tp_size"], info["dp_size"]) == (2, 2)
 
-    status_path = ctl.base / "status.json"
-    st = ctl.run("status", "--json", str(status_path), json_events=False)
-    rows = [json.loads(x) for x in status_path.read_text().splitlines()]
-    assert [r["state"] for r in rows if r.get("unit") == "model-0"] == ["drifted"], st.explain()
+    st = ctl.run("status")
+    assert st.document is not None, st.explain()
+    rows = st.document["units"]
+    assert [r["state"] for r in rows if r["unit"] == "model-0"] == ["drifted"], st.explain()
     assert st.code != 0
 
 
@@ -844,9 +844,8 @@ def test_status_shows_every_state_and_job_progress_and_logs_prints_the_end(
     wait_for("progress", lambda: (unit_dir(host, "progress") / "progress.json").exists())
     assert ctl.run("stop", "--unit", "idle-0").code == 0
 
-    status_path = ctl.base / "status.json"
-    st = ctl.run("status", "--json", str(status_path), json_events=False)
-    rows = {r["unit"]: r for r in map(json.loads, status_path.read_text().splitlines())}
+    st = ctl.run("status")
+    rows = st.rows()
     states = {u: r["state"] for u, r in rows.items()}
     expected = {
         "sglang-0": "ready",
@@ -861,7 +860,9 @@ def test_status_shows_every_state_and_job_progress_and_logs_prints_the_end(
         u: s for u, s in expected.items() if u != "idle-0"
     }, st.explain()
     assert st.code != 0, "dead and failed units make status exit non-zero"
-    assert rows["progress"]["progress"].startswith("5/10"), rows["progress"]
+    job_progress = rows["progress"]["progress"]  # the job wrote {"done": 5, "total": 10}
+    assert job_progress is not None, rows["progress"]
+    assert (job_progress["done"], job_progress["total"]) == (5, 10), rows["progress"]
     assert rows["sglang-0"]["pid"] == unit_pid(host, "sglang-0")
     assert rows["sglang-0"]["port"] == port and "200" in rows["sglang-0"]["health"]
     assert rows["crashy-0"]["health"].startswith("exit 1"), rows["crashy-0"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -76,7 +77,9 @@ def test_live_preflight_reports_every_host(
     assert "[h4] inventory says 4 GPUs, nvidia-smi lists 2" in out
     assert "[h1] /nowhere/model does not exist on the host" in out
     assert f"{model} does not exist" not in out
-    assert "port 8000 for vllm-0 is taken by pid" in out and "not by a dflashops unit" in out
+    # Deploy's words for a port holder: pid, command line, whose unit it is, what to do.
+    held = f"vllm-0: port 8000 is already taken by pid {os.getpid()} ("
+    assert held in out and "not a dflashops unit: stop it (`kill" in out, out
     assert "import sglang" not in out and "import vllm" not in out  # the fakes import on the hosts
 
 

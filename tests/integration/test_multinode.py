@@ -343,12 +343,9 @@ def test_a_two_node_vllm_service_over_a_real_ray_cluster(
     assert f"--address {fleet['h0'].address}:{gcs}" in worker_script
     assert f"--node-ip-address {fleet['h1'].address}" in worker_script
 
-    status_path = ctl.base / "status.json"
-    status = ctl.run("status", "--json", str(status_path), json_events=False)
-    assert status.code == 0, status.out
-    rows = {
-        (r["host"], r.get("unit")): r for r in map(json.loads, status_path.read_text().splitlines())
-    }
+    status = ctl.run("status")
+    assert status.code == 0 and status.document is not None, status.out
+    rows = {(r["host"], r["unit"]): r for r in status.document["units"]}
     assert (rows[("h0", "big-ray")]["rank"], rows[("h1", "big-ray")]["rank"]) == (0, 1), rows
     assert rows[("h0", "big-0")]["rank"] is None and rows[("h0", "big-0")]["state"] == "ready"
     assert "big-ray [rank 1/2]" in status.out, status.out
@@ -448,13 +445,9 @@ def test_a_ray_node_that_cannot_start_fails_the_whole_unit_at_once_on_every_host
     for h, unit in (("h0", "big-0"), ("h0", "big-ray")):
         (stopped,) = up.of(unit, host=h, action="stop", status="changed")
         assert "stopped with the rest of big" in stopped["message"], up.explain()
-    status_path = ctl.base / "status.json"
-    ctl.run("status", "--json", str(status_path), json_events=False)
-    states = {
-        (r["host"], r.get("unit")): r["state"]
-        for r in map(json.loads, status_path.read_text().splitlines())
-        if r.get("unit")
-    }
+    status = ctl.run("status")
+    assert status.document is not None, status.explain()
+    states = {(r["host"], r["unit"]): r["state"] for r in status.document["units"]}
     assert all(state in ("stopped", "failed", "exited", "crashed") for state in states.values()), (
         states
     )

@@ -5,7 +5,6 @@ Also: a host whose python is `~/venv/bin/python3` deploys, probes and stops."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,11 +32,10 @@ def orphan_lines(res: Result) -> dict[str, str]:
 
 
 def status_json(ctl: Ops, playbooks: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    path = ctl.base / f"status-{ctl.runs + 1}.jsonl"
-    res = ctl.run("status", "--json", str(path), playbooks=playbooks, json_events=False)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    res = ctl.run("status", playbooks=playbooks)
+    rows = res.rows()
     assert rows, res.explain()
-    return {row["unit"]: row for row in rows}
+    return rows
 
 
 def pruned(host: FleetHost) -> list[Path]:

@@ -110,6 +110,13 @@ def test_an_api_key_given_by_secret_args_never_leaves_its_0600_files(
                 assert piece not in text, where
     assert mode(host.workdir) == 0o700  # the fleet made it 0755 before the deploy
 
+    # An operator without the key: the servers refuse to say their settings. That is not drift.
+    monkeypatch.delenv("CTL_KEY")
+    rows = ctl.run("status").rows()
+    for unit in ("sglang-0", "vllm-0", "stub-0"):
+        assert rows[unit]["state"] == "ready", rows[unit]
+        assert "settings not checked (HTTP 401): export CTL_KEY" in rows[unit]["health"]
+
 
 def test_a_literal_api_key_in_args_fails_preflight_and_reaches_no_host(
     fleet_factory: FleetFactory, ops: Callable[..., Ops]

@@ -64,13 +64,7 @@ def receiver() -> Iterator[Receiver]:
 
 
 def status_rows(ctl: Ops) -> dict[str, dict[str, Any]]:
-    path = ctl.base / f"status-{ctl.runs + 1}.jsonl"
-    ctl.run("status", "--json", str(path), json_events=False)
-    return {
-        row["unit"]: row
-        for row in map(json.loads, path.read_text().splitlines())
-        if row.get("unit")
-    }
+    return ctl.run("status").rows()
 
 
 def ready_again(port: int) -> bool:

@@ -76,11 +76,12 @@ class Ops:
         return code, out, [json.loads(line) for line in lines]
 
     def status(self) -> tuple[int, str, dict[str, dict[str, Any]]]:
+        """(code, output, the --json document's units by name: one host, names unique)."""
         self.runs += 1
-        path = self.root / f"status-{self.runs}.jsonl"
+        path = self.root / f"status-{self.runs}.json"
         code, out = self.cli("status", "--json", str(path))
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
-        return code, out, {row["unit"]: row for row in rows}
+        units = json.loads(path.read_text())["units"]
+        return code, out, {row["unit"]: row for row in units}
 
     def wait_status(
         self, ok: Callable[[dict[str, dict[str, Any]]], bool], timeout: float = 30.0
@@ -101,6 +102,17 @@ class Ops:
         )
         assert rc == 0, err
         return {int(i): int(m) for i, m in (line.split(",") for line in out.strip().splitlines())}
+
+
+def gib(row: dict[str, Any]) -> list[tuple[int, int]]:
+    """A row's GPUs as (index, GiB used, rounded down): the table's `0:79G 1:79G`."""
+    return [(g["index"], g["used_bytes"] // 2**30) for g in row["gpus"]]
+
+
+def progress_shown(row: dict[str, Any]) -> bool:
+    """The row has a `done/total` to show (the table's progress cell is not empty)."""
+    p = row["progress"]
+    return p is not None and p["done"] is not None and bool(p["total"])
 
 
 def actions(events: list[dict[str, Any]], unit: str) -> list[str]:
@@ -214,13 +226,13 @@ def test_dp2_crash_then_dp1_fix_restarts_only_vllm_and_its_restart_with_job(ops:
     assert "'tensor_parallel_size': 2, 'data_parallel_size': 1" in log, log
     assert "launch_vllm.py [dflashops fake of speculators'" in log, log
 
-    rows = ops.wait_status(lambda r: r["train"]["progress"] not in ("", None))
+    rows = ops.wait_status(lambda r: progress_shown(r["train"]))
     assert rows["vllm-0"]["state"] == "ready", rows
-    assert rows["vllm-0"]["gpus"] == f"0:{VLLM_MIB // 1024}G 1:{VLLM_MIB // 1024}G", rows
+    assert gib(rows["vllm-0"]) == [(0, VLLM_MIB // 1024), (1, VLLM_MIB // 1024)], rows
     assert rows["train"]["state"] == "running", rows
-    assert rows["train"]["gpus"] == " ".join(f"{g}:{TRAIN_MIB // 1024}G" for g in (4, 5, 6, 7))
-    assert rows["train"]["progress"].split()[0].endswith("/100000"), rows
-    assert rows["monitor"]["state"] == "running" and rows["monitor"]["gpus"] == "-", rows
+    assert gib(rows["train"]) == [(g, TRAIN_MIB // 1024) for g in (4, 5, 6, 7)], rows
+    assert rows["train"]["progress"]["total"] == 100000, rows
+    assert rows["monitor"]["state"] == "running" and rows["monitor"]["gpus"] == [], rows
     assert rows["monitor"]["pid"] == monitor_pid, "the monitor was restarted by the DP fix"
     used = ops.gpu_used()
     assert used == {0: VLLM_MIB, 1: VLLM_MIB, 2: 0, 3: 0, **dict.fromkeys((4, 5, 6, 7), TRAIN_MIB)}
@@ -248,7 +260,9 @@ def test_dp2_crash_then_dp1_fix_restarts_only_vllm_and_its_restart_with_job(ops:
     # The new run has not finished its warm-up: any progress status shows must be its own.
     stale = progress.exists() and json.loads(progress.read_text())["pid"] == trainer
     train_said = messages(events, "train")  # checked last: the reason is cosmetic, pids are not
-    rows = ops.wait_status(lambda r: r["train"]["state"] == "running" and r["train"]["progress"])
+    rows = ops.wait_status(
+        lambda r: r["train"]["state"] == "running" and progress_shown(r["train"])
+    )
     assert rows["vllm-0"]["state"] == "ready", rows
     assert rows["vllm-0"]["pid"] != vllm_pid and rows["train"]["pid"] != train_pid, rows
     assert rows["eval"]["pid"] == eval_pid, "eval has no restart_with and must keep running"
@@ -300,7 +314,8 @@ def test_training_job_done_is_kept_and_failure_shows_its_log(ops: Ops) -> None:
     assert {"vllm-0", "train"} <= started_or_restarted(events), out
     rows = ops.wait_status(lambda r: r["train"]["state"] not in ("running", "absent"))
     assert rows["train"]["state"] == "done", rows
-    assert rows["train"]["progress"] == "5/5", rows
+    assert rows["train"]["progress"] is not None, rows
+    assert (rows["train"]["progress"]["done"], rows["train"]["progress"]["total"]) == (5, 5), rows
     monitor_pid = rows["monitor"]["pid"]
     assert rows["train"]["health"] == "-" or "exit 0" in rows["train"]["health"], rows
     done_row = rows["train"]

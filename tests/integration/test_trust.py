@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,8 @@ def test_trust_records_and_reprovisioned_node_needs_it_again(
     node.rotate_host_key()
     assert main(["trust", "-i", str(inventory), "--host", "pro6000", "--yes"]) == 0
     out = capsys.readouterr().out
+    # The host's name heads the line, not eaten as rich markup.
+    assert re.search(rf"^\[pro6000\] \S+ had ssh-ed25519 {re.escape(old)}", out, re.M), out
     assert f"had ssh-ed25519 {old}" in out and f"presents ssh-ed25519 {node.fingerprint()}" in out
     assert SshConnection(host).run("echo re-trusted").out == "re-trusted\n"
     assert len((controller / "known_hosts").read_text().splitlines()) == 1
@@ -54,4 +57,5 @@ def test_trust_reports_a_pin_mismatch(
     inventory.write_text(yaml.safe_dump({"hosts": {"a": entry}}))
     assert main(["trust", "-i", str(inventory), "--host", "a", "--yes"]) == 1
     out = capsys.readouterr().out
-    assert "host_key pin does NOT match" in out and fleet["a"].host_key_line().split()[1] in out
+    assert re.search(r"^\[a\] \S+ presents .*host_key pin does NOT match", out, re.M), out
+    assert fleet["a"].host_key_line().split()[1] in out

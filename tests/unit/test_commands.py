@@ -66,7 +66,7 @@ def invoke_view() -> dict[str, dict[str, Any]]:
                 "kind": {bool: "bool", list: "list", int: "int"}.get(a.kind, "str"),
                 "default": a.default,
                 "help": a.help,
-                "dest": a.name,
+                "dest": a.dest,
             }
         out[name] = opts
     return out

@@ -50,15 +50,15 @@ def test_local_demo_end_to_end(
         rows: dict[str, dict[str, Any]] = {}
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            cli("status", "--json", str(tmp_path / "status.jsonl"))
-            rows = {
-                r["unit"]: r
-                for r in map(json.loads, (tmp_path / "status.jsonl").read_text().splitlines())
-            }
+            cli("status", "--json", str(tmp_path / "status.json"))
+            units = json.loads((tmp_path / "status.json").read_text())["units"]
+            rows = {r["unit"]: r for r in units}
             if rows["generate"]["state"] != "running":
                 break
             time.sleep(0.3)
-        assert rows["generate"]["state"] == "done" and rows["generate"]["progress"] == "40/40", rows
+        progress = rows["generate"]["progress"]
+        assert rows["generate"]["state"] == "done" and progress is not None, rows
+        assert (progress["done"], progress["total"]) == (40, 40), rows
         # The environment's console script runs from its path, as in a venv made there by hand.
         script = tmp_path / ".dflashops" / "local" / "venv-demo" / "bin" / "demo-tools"
         ran = subprocess.run([script], capture_output=True, text=True, check=False)

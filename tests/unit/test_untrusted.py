@@ -21,7 +21,6 @@ from dflashops.agent.remote import tree
 from dflashops.agent.transfer import listing, pull
 from dflashops.engines.identity import vllm_args
 from dflashops.errors import DflashopsError, TransferError
-from dflashops.hosts.inert import inert
 from dflashops.hosts.local import LocalConnection
 from dflashops.hosts.untrusted import (
     DEPTH_LIMIT,
@@ -32,6 +31,7 @@ from dflashops.hosts.untrusted import (
     loads,
     path_problem,
 )
+from dflashops.output import inert
 from tests.hostile import hostile_python
 
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")

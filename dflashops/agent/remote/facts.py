@@ -8,7 +8,9 @@ answered as ``probe``: one call for a deploy that has nothing to do), ``settled`
 {fingerprint, job}}: when all run or finished as given, nvidia-smi is skipped, gpus.skipped).
 
 Answer: hostname, time, python, python_executable, boot_id, clock_ticks, uptime_s, workdir,
-workdir_exists, disk, gpus (see gpu.gather), listening [{address, port, inode, pids}], payloads
+workdir_exists, disk, gpus (see gpu.gather), listening [{address, port, inode, uid, pids, and
+for a port not all this workdir's units': holders [{pid, cmdline, unit, workdir, this_workdir}],
+user (the socket's owner, when no holder is visible)}], payloads
 {"<hash16>/<name>": sha256}, units {name: {name, script_sha256, unit, pid, exit, stopped,
 progress (each with a ``*_error`` when its file is broken), process (ownership.view),
 group_pids, unproven_pids, logs}}, imports {module: {ok, version, error, seconds}}, paths
@@ -240,13 +242,25 @@ def recorded_ports(units: dict[str, Json]) -> set[int]:
 
 
 def attach_processes(
-    units: dict[str, Json], records: Records, boot: str | None, groups: ownership.Groups
+    units: dict[str, Json],
+    records: Records,
+    boot: str | None,
+    groups: ownership.Groups,
+    workdir: str,
 ) -> bool:
     for name, (rec, problem) in records.items():
         view = ownership.view(rec, problem, boot, groups)
         units[name]["group_pids"] = view.pop("members")
         units[name]["unproven_pids"] = view.pop("unproven")
         units[name]["process"] = view
+        if rec is not None and not view.get("alive") and units[name].get("exit") is None:
+            # Its records were read before the /proc pass: a unit that ended in between wrote
+            # its exit (the supervisor's last act) after they were read. Read its ends again,
+            # or it shows as dead without an exit for one look.
+            again = read_unit(name, os.path.join(workdir, layout.UNITS, name))
+            for key in ("exit", "exit_error", "supervisor", "supervisor_error", "crashed"):
+                if key in again:
+                    units[name][key] = again[key]
     return True
 
 
@@ -390,7 +404,7 @@ def run(request: Json) -> Json:
         errors, "proc", ({g: [] for g in pgids}, {}), lambda: procfs.scan(pgids, inodes)
     )
     attached = section(
-        errors, "units", False, lambda: attach_processes(units, records, boot, groups)
+        errors, "units", False, lambda: attach_processes(units, records, boot, groups, workdir)
     )
     facts["units"] = units if attached else {}
     if request["probe"] is not None:  # the units' health too: a no-op deploy needs nothing else
@@ -406,8 +420,13 @@ def run(request: Json) -> Json:
                 "time": time.time(),
             },
         )
+    ours = {pid for unit in units.values() for pid in unit.get("group_pids", ())}
     for entry in listening:
         entry["pids"] = sorted(holders.get(entry["inode"], []))
+    # Who is in the way of a port, and whose unit it is.
+    section(
+        errors, "holders", None, lambda: procfs.describe_holders(listening, wanted, ours, workdir)
+    )
     # Asked about some ports: only their listeners (a GPU node may listen on hundreds).
     facts["listening"] = [e for e in listening if wanted is None or e["port"] in wanted]
     facts["payloads"] = section(errors, "payloads", {}, lambda: read_payloads(workdir))

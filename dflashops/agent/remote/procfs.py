@@ -6,6 +6,7 @@ import os
 import socket
 import struct
 
+from . import layout
 from .common import Json, first_line
 
 # Index i in proc_stat's list is field i + 3 of proc(5).
@@ -190,3 +191,110 @@ def _proc_listeners() -> list[Json]:
                 }
             )
     return out
+
+
+# -- who holds a port -----------------------------------------------------------------------
+
+HOLDERS_SHOWN = 3  # a forking server shares its socket with its workers: the first few say it
+CMDLINE_SHOWN = 2048  # characters of a holder's command line sent (the controller shortens it)
+
+
+def describe_holders(
+    listening: list[Json], wanted: set[int] | None, ours: set[int], workdir: str
+) -> None:
+    """For each listener asked about (``wanted``; None: all) that is not all this workdir's
+    units' (``ours``; the common case costs nothing): ``holders``, each holder's pid, command
+    line and, for a dflashops unit of any workdir, which one; with no holder this user can
+    see, ``user``: the socket owner's name."""
+    for entry in listening:
+        if wanted is not None and entry["port"] not in wanted:
+            continue
+        pids = entry["pids"]
+        if not pids:
+            entry["user"] = user_name(socket_uid(entry["inode"]))
+        elif not set(pids) <= ours:
+            entry["holders"] = [holder(pid, workdir) for pid in pids[:HOLDERS_SHOWN]]
+
+
+def holder(pid: int, workdir: str) -> Json:
+    """A process holding a port: pid, command line, and the dflashops unit it is, if it is one
+    (``unit``, ``workdir``, ``this_workdir``). A unit's engine gets DFLASHOPS_WORKDIR and
+    DFLASHOPS_UNIT from its launch script, which runs in units/NAME as its supervisor does; an
+    engine that cleared its environment is still found by its folder or its group leader's."""
+    args: list[str] = []
+    size = 0
+    for arg in cmdline(pid):
+        args.append(arg[: CMDLINE_SHOWN - size])
+        size += len(arg) + 1
+        if size >= CMDLINE_SHOWN:
+            break
+    where, unit = _unit_of(pid)
+    this = where is not None and _same_path(where, os.path.expanduser(workdir))
+    return {"pid": pid, "cmdline": args, "unit": unit, "workdir": where, "this_workdir": this}
+
+
+def _unit_of(pid: int) -> tuple[str | None, str | None]:
+    env = environ_of(pid, ("DFLASHOPS_WORKDIR", "DFLASHOPS_UNIT"))
+    if env.get("DFLASHOPS_WORKDIR") and env.get("DFLASHOPS_UNIT"):
+        return env["DFLASHOPS_WORKDIR"], env["DFLASHOPS_UNIT"]
+    stat = proc_stat(pid)
+    for who in (pid, int(stat[PGRP]) if stat else pid):
+        try:
+            folder = os.readlink(f"/proc/{who}/cwd")
+        except OSError:
+            continue
+        units, name = os.path.split(folder)
+        if os.path.basename(units) == layout.UNITS and os.path.isfile(
+            os.path.join(folder, layout.UNIT_RECORD)
+        ):
+            return os.path.dirname(units), name
+    return None, None
+
+
+def environ_of(pid: int, keys: tuple[str, ...]) -> dict[str, str]:
+    """The values of ``keys`` in the process's environment (those it has)."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read(4 * 1024 * 1024)
+    except OSError:
+        return {}
+    out: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, _, value = item.partition(b"=")
+        name = key.decode("utf-8", "replace")
+        if name in keys:
+            out[name] = value.decode("utf-8", "replace")
+    return out
+
+
+def _same_path(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def socket_uid(inode: int) -> int | None:
+    """The owner of a socket whose holder this user cannot see: /proc/net/tcp{,6} say it
+    (read only then: a foreign holder is rare, and the tables can be long)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                for line in f:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[9] == str(inode):
+                        return int(cols[7])
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def user_name(uid: int | None) -> str | None:
+    if uid is None:
+        return None
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"

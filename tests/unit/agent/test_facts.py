@@ -865,3 +865,36 @@ def test_parse_int() -> None:
 def test_agent_is_fast_on_an_empty_workdir(tmp_path: Path) -> None:
     got = gather(sys.executable, tmp_path / "wd")
     assert got.elapsed_s is not None and got.elapsed_s < 1.0  # typically ~10 ms
+
+
+def test_a_unit_that_ends_between_reading_its_records_and_the_proc_pass_shows_its_exit(
+    tmp_path: Path,
+) -> None:
+    """The supervisor writes the exit record, then exits. Facts read the records first and
+    look at processes later: a job ending in between was read with no exit and then found
+    gone, and `status` called a finished job `dead` for one look. The ends are read again."""
+    from dflashops.agent.remote import facts as remote_facts
+    from dflashops.agent.remote import ownership
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    record = {
+        "pid": ended.pid,
+        "pgid": ended.pid,
+        "start_time": int(start_time(ended.pid)),
+        "boot_id": boot_id(),
+    }
+    ended.wait()
+    unit = tmp_path / "units" / "gen"
+    write_json(unit / "pid", record)
+    write_json(unit / "unit.json", unit_json("gen", port=None))
+    units, records = remote_facts.read_units(str(tmp_path), {})
+    assert units["gen"]["exit"] is None  # read while it still ran
+    write_json(unit / "exit", {"code": 0, "signal": None, "finished_at": "2026-12-02T12:00:00Z"})
+    groups: ownership.Groups = {ended.pid: []}
+    remote_facts.attach_processes(units, records, boot_id(), groups, str(tmp_path))
+    assert units["gen"]["process"]["alive"] is False
+    assert units["gen"]["exit"] == {
+        "code": 0,
+        "signal": None,
+        "finished_at": "2026-12-02T12:00:00Z",
+    }

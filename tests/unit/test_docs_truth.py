@@ -1,0 +1,341 @@
+"""The README and docs/ against the code: links resolve, every `dflashops COMMAND --flag` they
+show is a command and a flag of it, every repo path they name exists, the inventories they show
+load, and the statements issue 21 found false stay true (replica names in `needs`, the states
+table, the install requirements, the INCIDENTS.md citations)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflashops.commands.table import COMMANDS, Command, Option
+from dflashops.config.load import load_inventory, load_playbook
+from dflashops.errors import ConfigError
+from dflashops.plan import build_plan
+from tests.conftest import REPO, WriteTree
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PLAYBOOKS = sorted((REPO / "playbooks").glob("*.yaml"))
+INCIDENTS = REPO / "docs" / "INCIDENTS.md"
+# Flags the docs may already show that other parts of issue 21 are adding to the command table
+# (added by issue 21: remove each one from this set once commands/table.py has it). A bare
+# `--json` (no FILE: `status --json` to stdout) is skipped by the value check only.
+PENDING_FLAGS = frozenset({"--limit", "--unit", "-v", "--verbose"})
+PENDING_BARE = frozenset({"--json"})
+# Written in backticks but not a path of this repository.
+NOT_REPO_PATHS = {
+    "dflashops/templates/": "where the wheel installs the top-level templates/",
+    "playbooks/templates/": "a user's template overrides beside their playbooks",
+}
+# Every state `status` can show (DESIGN.md, "Operating under pressure" point 5), plus `dead`.
+STATES = (
+    *("ready", "starting", "restarting", "crashed", "drifted", "outdated", "absent", "stopped"),
+    *("waiting", "running", "done", "failed", "orphan", "unreachable", "dead"),
+    *("rolled back", "lost", "re-provisioned"),
+)
+
+FENCE = re.compile(r"^\s*(```|~~~)")
+INLINE = re.compile(r"(`+)(.+?)\1")
+LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
+# At the start of a code line or of an inline span: `dflashops` inside a comment or a message
+# ("only what dflashops started") is prose.
+MENTION = re.compile(r"^dflashops\s+([a-z][a-z-]*)((?:\s+[^\s`|;&>#]+)*)")
+COMMAND_NAMES = "|".join(sorted((re.escape(c.name) for c in COMMANDS), key=len, reverse=True))
+BARE = re.compile(rf"^(?:{COMMAND_NAMES})\s+-")
+PATH = re.compile(r"^(?:[A-Za-z0-9_.-]+/)+[A-Za-z0-9_.-]*(?:::[A-Za-z0-9_]+)?$")
+REPO_TOPS = {p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".")}
+PACKAGE_DIRS = {p.name: p for p in (REPO / "dflashops").iterdir() if (p / "__init__.py").exists()}
+PACKAGE_DIRS["data"] = REPO / "dflashops" / "data"
+PACKAGE_DIRS["remote"] = REPO / "dflashops" / "agent" / "remote"
+
+
+@dataclass(frozen=True)
+class Line:
+    path: Path
+    number: int
+    text: str
+    code: bool  # inside a fenced or indented code block
+
+    def where(self) -> str:
+        shown = self.path.relative_to(REPO) if self.path.is_relative_to(REPO) else self.path
+        return f"{shown}:{self.number}"
+
+
+def lines(path: Path) -> Iterator[Line]:
+    """Each line, marked code or prose (fenced blocks; 4-space blocks after a blank line)."""
+    fenced = indented = False
+    previous_blank = True
+    for number, text in enumerate(path.read_text().splitlines(), 1):
+        if FENCE.match(text):
+            fenced = not fenced
+            yield Line(path, number, text, True)
+            continue
+        if not fenced:
+            indented = text.startswith("    ") and (previous_blank or indented)
+        yield Line(path, number, text, fenced or indented)
+        previous_blank = not text.strip()
+
+
+def prose(line: Line) -> str:
+    """The line without its inline code spans (empty for a code line)."""
+    return "" if line.code else INLINE.sub(" ", line.text)
+
+
+def spans(line: Line) -> list[str]:
+    return [m.group(2).strip() for m in INLINE.finditer(line.text)]
+
+
+def mentions(line: Line) -> list[str]:
+    """`dflashops COMMAND ...` as typed: a code line, or any inline code span."""
+    texts = spans(line)
+    if line.code:
+        texts.append(re.sub(r"^\s*(?:\$\s+)?", "", line.text))
+    found = [m.group(0).strip() for m in map(MENTION.match, texts) if m]
+    # `stop --unit NAME`, `logs --raw`: a command with its flags, written without `dflashops`.
+    found += [f"dflashops {t}" for t in spans(line) if BARE.match(t)]
+    return found
+
+
+def flags_of(command: Command) -> dict[str, Option]:
+    options = getattr(command, "arguments", command.options)  # -v comes with issue 21
+    return {flag: o for o in options for flag in o.flags}
+
+
+COMMAND_BY_NAME = {c.name: c for c in COMMANDS}
+
+
+def mention_problems(line: Line, mention: str) -> list[str]:
+    words = mention.split()
+    command = COMMAND_BY_NAME.get(words[1])
+    if command is None:
+        return [f"{line.where()}: `{mention}`: no command {words[1]!r}"]
+    known = flags_of(command)
+    problems = []
+    for i, word in enumerate(words[2:], 2):
+        if not word.startswith("-") or word == "-" or word == "--" or word[1:2].isdigit():
+            continue
+        name = word.split("=", 1)[0].rstrip(".,:)")
+        if name in PENDING_FLAGS or name in ("-h", "--help"):
+            continue
+        option = known.get(name)
+        if option is None:
+            problems.append(f"{line.where()}: `{mention}`: {command.name} has no {name}")
+            continue
+        optional = getattr(option, "const", None) is not None  # `status --json` (issue 21)
+        takes_value = option.kind != "bool" and not optional and "=" not in word
+        following = words[i + 1] if i + 1 < len(words) else None
+        bare = following is None or following.startswith("--")
+        if takes_value and bare and name not in PENDING_BARE:
+            problems.append(f"{line.where()}: `{mention}`: {name} needs a value")
+    return problems
+
+
+def all_lines() -> Iterator[Line]:
+    for path in DOCS:
+        yield from lines(path)
+
+
+def test_every_dflashops_command_and_flag_the_docs_show_exists() -> None:
+    seen = 0
+    problems = []
+    for line in [*all_lines(), *(ln for p in PLAYBOOKS for ln in lines(p))]:
+        for mention in mentions(line):
+            seen += 1
+            problems += mention_problems(line, mention)
+    assert seen > 50, "the scan found almost no commands: is the pattern broken?"
+    assert not problems, "\n".join(problems)
+
+
+def test_the_checker_catches_a_wrong_command_flag_and_missing_value(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Run `dflashops deploi --host b200`.\n\n"
+        "    dflashops status --prune\n\n"
+        "```console\n$ dflashops logs sglang-0 --lines\n```\n"
+        "Fine: `dflashops status --json s.json`, `dflashops trust --host pro6000 --yes`.\n"
+        "Also checked without the prefix: `stop --prune`; not `watch --heal crashed`.\n"
+    )
+    found = [p for ln in lines(page) for m in mentions(ln) for p in mention_problems(ln, m)]
+    assert len(found) == 4, found
+    assert "no command 'deploi'" in found[0]
+    assert "status has no --prune" in found[1]
+    assert "--lines needs a value" in found[2]
+    assert "stop has no --prune" in found[3]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = heading.strip().lower().replace("`", "")
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found: set[str] = set()
+    for line in lines(path):
+        if not line.code and line.text.startswith("#"):
+            base = slug(line.text.lstrip("#"))
+            name, n = base, 0
+            while name in found:
+                n += 1
+                name = f"{base}-{n}"
+            found.add(name)
+    return found
+
+
+def test_every_relative_link_resolves() -> None:
+    problems = []
+    for line in all_lines():
+        for _, target in LINK.findall(prose(line)):
+            if re.match(r"^[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            resolved = (line.path.parent / file).resolve() if file else line.path
+            if not resolved.exists():
+                problems.append(f"{line.where()}: {target}: no such file")
+            elif anchor and anchor not in anchors(resolved):
+                problems.append(f"{line.where()}: {target}: no heading with that anchor")
+    assert not problems, "\n".join(problems)
+
+
+def repo_path(text: str) -> Path | None:
+    """The file a backticked path names, or None when it is not a path of this repository."""
+    if not PATH.match(text) or text in NOT_REPO_PATHS:
+        return None
+    first = text.split("/", 1)[0]
+    if first in REPO_TOPS:
+        return REPO / text.split("::")[0]
+    if first in PACKAGE_DIRS:
+        return PACKAGE_DIRS[first].parent / text.split("::")[0]
+    return None
+
+
+def test_every_repo_path_the_docs_name_exists() -> None:
+    problems = []
+    checked = 0
+    for line in [*all_lines(), *(ln for p in PLAYBOOKS for ln in lines(p))]:
+        for text in spans(line):
+            path = repo_path(text)
+            if path is None:
+                continue
+            checked += 1
+            if not path.exists():
+                problems.append(f"{line.where()}: `{text}`: {path.relative_to(REPO)} is missing")
+            elif "::" in text and f"def {text.split('::')[1]}(" not in path.read_text():
+                problems.append(f"{line.where()}: `{text}`: no such test in {path.name}")
+    assert checked > 40, "the scan found almost no paths: is the pattern broken?"
+    assert not problems, "\n".join(problems)
+
+
+def test_incidents_citations_resolve_to_docs_incidents() -> None:
+    """Prose that cites INCIDENTS.md links to docs/INCIDENTS.md; playbook comments name the
+    path from the repo root (code blocks quote messages, which are left as they are)."""
+    assert INCIDENTS.is_file()
+    problems = []
+    for line in all_lines():
+        text = prose(line)
+        for label, target in LINK.findall(text):
+            if (line.path.parent / target.partition("#")[0]).resolve() == INCIDENTS:
+                text = text.replace(f"[{label}]({target})", " ")
+        if "INCIDENTS.md" in text and line.path != INCIDENTS:
+            problems.append(f"{line.where()}: cites INCIDENTS.md without a link to it")
+    for path in PLAYBOOKS:
+        for n, text in enumerate(path.read_text().splitlines(), 1):
+            for prefix in re.findall(r"(\S*)INCIDENTS\.md", text):
+                if not (REPO / f"{prefix.lstrip('(`')}INCIDENTS.md").is_file():
+                    problems.append(f"{path.relative_to(REPO)}:{n}: cite docs/INCIDENTS.md")
+    assert not problems, "\n".join(problems)
+
+
+def yaml_blocks(path: Path) -> Iterator[tuple[int, str]]:
+    block: list[str] | None = None
+    start = 0
+    for line in lines(path):
+        if FENCE.match(line.text):
+            if block is None and line.text.strip() in ("```yaml", "~~~yaml"):
+                block, start = [], line.number
+            elif block is not None:
+                yield start, "\n".join(block)
+                block = None
+        elif block is not None:
+            block.append(line.text)
+
+
+def test_every_whole_inventory_the_docs_show_loads(tmp_path: Path) -> None:
+    """A yaml block with `hosts:` as a mapping of hosts is an inventory: it must load."""
+    checked = []
+    for path in DOCS:
+        for start, text in yaml_blocks(path):
+            data = yaml.safe_load(text)
+            if not isinstance(data, dict) or not isinstance(data.get("hosts"), dict):
+                continue
+            if "providers" in data:  # provider inventories come with `watch` (DESIGN.md)
+                continue
+            file = tmp_path / f"{path.stem}-{start}.yaml"
+            file.write_text(text)
+            try:
+                load_inventory(file)
+            except ConfigError as exc:
+                pytest.fail(f"{path.relative_to(REPO)}:{start}: {exc}")
+            checked.append(f"{path.name}:{start}")
+    assert any(c.startswith("README.md") for c in checked), checked
+
+
+def test_install_section_matches_pyproject() -> None:
+    pyproject = (REPO / "pyproject.toml").read_text()
+    [python] = re.findall(r'requires-python = ">=([0-9.]+)"', pyproject)
+    [script] = re.findall(r'^(\S+) = "dflashops\.cli:main"', pyproject, re.M)
+    readme = (REPO / "README.md").read_text()
+    install = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    assert f"Python {python}+" in install
+    assert "pip install ." in install and "pip wheel" in install
+    assert f"{script} --help" in install
+
+
+def test_replica_names_in_needs_are_accepted_as_the_reference_says(write_tree: WriteTree) -> None:
+    root = write_tree(
+        {
+            "inventory.yaml": "hosts:\n  b200: {address: 127.0.0.1, gpus: 2}\n",
+            "playbooks/p.yaml": """
+            name: p
+            hosts: b200
+            services:
+              - {name: sglang, engine: sglang, model: /m, replicas: 2}
+            jobs:
+              - {name: one, command: [x], needs: [sglang-1]}
+              - {name: all, command: [x], needs: [sglang]}
+            """,
+        }
+    )
+    plan = build_plan(
+        load_inventory(root / "inventory.yaml"), [load_playbook(root / "playbooks/p.yaml")], None
+    )
+    assert [p.message for p in plan.problems] == []
+    units = {u.name: u for u in plan.hosts["b200"].units}
+    assert units["one"].needs == ("sglang-1",)
+    assert units["all"].needs == ("sglang-0", "sglang-1")
+    reference = (REPO / "docs" / "playbook-reference.md").read_text()
+    [row] = [r for r in reference.splitlines() if r.startswith("| `needs` |")]
+    assert "`sglang-0`" in row and "not accepted" not in row
+
+
+def states_table(path: Path) -> list[str]:
+    return re.findall(r"^\| `([a-z -]+)` \|", path.read_text(), re.M)
+
+
+def test_the_operations_guide_explains_every_state() -> None:
+    documented = states_table(REPO / "docs" / "operations.md")
+    assert sorted(documented) == sorted(STATES)
+
+
+def test_the_operations_guide_explains_every_state_status_help_lists() -> None:
+    states = pytest.importorskip("dflashops.commands.states")  # added by issue 21
+    legend = states.LEGEND.split("states", 1)[1].split("\n\n", 1)[0]
+    listed = re.findall(r"^  (\S+(?: \S+)?)\s{2,}", legend, re.M)
+    assert listed, legend
+    missing = set(listed) - set(states_table(REPO / "docs" / "operations.md"))
+    assert not missing, f"status --help lists states the operations guide does not: {missing}"
