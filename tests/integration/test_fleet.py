@@ -25,6 +25,8 @@ from fleet import (
     loopback_addresses_supported,
 )
 
+from tests.procs import wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -270,7 +272,8 @@ def test_stop_reaps_sessions_and_their_processes(fleet_factory: FleetFactory) ->
     rc, out = run(live, "setsid sleep 300 </dev/null >/dev/null 2>&1 & echo $!")
     assert rc == 0
     sleeper = int(out)
-    assert [ref[0] for ref in host.leftover_processes()] == [sleeper]
+    # Its environ is readable once it has exec'd: a look in between finds nothing yet.
+    wait_for("the sleeper seen", lambda: [r[0] for r in host.leftover_processes()] == [sleeper])
     assert our_sshd_pids(fleet)
     fleet.stop()
     live.close()
