@@ -25,7 +25,15 @@ class Session:
     def __init__(self, agent: Caller) -> None:
         self.agent = agent
         self.stream = agent.conn.stream(command(agent.python))
-        self.stream.send(bundle() + b'{"action":"serve"}\n')
+        try:
+            self.stream.send(bundle() + b'{"action":"serve"}\n')
+        except StreamEnded:
+            # The shell ended before it took the bundle: a missing python (exit 127) is the
+            # usual why, and the answer says it (PythonMissing), not "broken pipe".
+            ending = self.stream.ending()
+            agent.close()
+            agent.answer("serve", ending)
+            raise
         # Requests that ride with the next call (the deploy lock): sent just before it and
         # answered just before it, so they cost no round trip of their own.
         self.ahead: list[Ahead] = []

@@ -75,7 +75,9 @@ class SshStream(Stream):
 
     def ending(self) -> Result:
         code = -1
-        if self.channel.exit_status_ready():
+        # The channel's EOF can come a moment before its exit status: wait for it briefly,
+        # or a missing python (127) reads as -1, "the agent failed".
+        if self.channel.status_event.wait(2.0):
             code = self.channel.recv_exit_status()
         err = bytearray()
         with contextlib.suppress(Exception):

@@ -348,3 +348,12 @@ def test_gpus_listed_for_a_command_service_talk_about_gpus_per_replica(
         "service b: lists 3 GPU(s) but 2 replica(s) x gpus_per_replica 0 need 0: list 2 x "
         "gpus_per_replica GPUs, or change `replicas`",
     ]
+
+
+def test_a_missing_python_is_said_the_same_by_a_kept_session(tmp_path: Path) -> None:
+    """status, deploy and stop open a kept session (`serve`): the shell exits 127 before it
+    takes the bundle, and that must read as the missing python, not "Broken pipe"."""
+    agent = Agent(LocalConnection("pod"), "/root/venv/bin/python3-not-here")
+    for _ in range(3):  # the pipe breaks at a different moment each time: the answer does not
+        with pytest.raises(PythonMissing, match=r"python '/root/venv/bin/python3-not-here' not"):
+            agent.kept().call("facts", {"workdir": str(tmp_path)}, timeout=10)
