@@ -1,32 +1,38 @@
 """The README and docs/ against the code: links resolve, every `dflashops COMMAND --flag` they
 show is a command and a flag of it, every repo path they name exists, the inventories they show
 load, and the statements issue 21 found false stay true (replica names in `needs`, the states
-table, the install requirements, the INCIDENTS.md citations)."""
+table against `status --help`, the `status --json` fields table against the document, the
+install requirements, the INCIDENTS.md citations)."""
 
 from __future__ import annotations
 
+import io
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import yaml
+from rich.console import Console
 
+from dflashops.commands import status
+from dflashops.commands.states import LEGEND
 from dflashops.commands.table import COMMANDS, Command, Option
 from dflashops.config.load import load_inventory, load_playbook
 from dflashops.errors import ConfigError
 from dflashops.plan import build_plan
 from tests.conftest import REPO, WriteTree
+from tests.unit.test_status_json import RESTARTED, judged, uf
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PLAYBOOKS = sorted((REPO / "playbooks").glob("*.yaml"))
 INCIDENTS = REPO / "docs" / "INCIDENTS.md"
-# Flags the docs may already show that other parts of issue 21 are adding to the command table
-# (added by issue 21: remove each one from this set once commands/table.py has it). A bare
-# `--json` (no FILE: `status --json` to stdout) is skipped by the value check only.
-PENDING_FLAGS = frozenset({"--limit", "--unit", "-v", "--verbose"})
-PENDING_BARE = frozenset({"--json"})
+OPERATIONS = REPO / "docs" / "operations.md"
+# Shown on purpose with a flag the command lacks: what a wrong flag prints (operations guide).
+WRONG_ON_PURPOSE = frozenset({"dflashops deploy --bogus"})
 # Written in backticks but not a path of this repository.
 NOT_REPO_PATHS = {
     "dflashops/templates/": "where the wheel installs the top-level templates/",
@@ -102,8 +108,8 @@ def mentions(line: Line) -> list[str]:
 
 
 def flags_of(command: Command) -> dict[str, Option]:
-    options = getattr(command, "arguments", command.options)  # -v comes with issue 21
-    return {flag: o for o in options for flag in o.flags}
+    """Every flag on the command line: its options, and -v where it talks to hosts."""
+    return {flag: o for o in command.arguments for flag in o.flags}
 
 
 COMMAND_BY_NAME = {c.name: c for c in COMMANDS}
@@ -114,23 +120,25 @@ def mention_problems(line: Line, mention: str) -> list[str]:
     command = COMMAND_BY_NAME.get(words[1])
     if command is None:
         return [f"{line.where()}: `{mention}`: no command {words[1]!r}"]
+    if mention in WRONG_ON_PURPOSE:
+        return []
     known = flags_of(command)
     problems = []
     for i, word in enumerate(words[2:], 2):
         if not word.startswith("-") or word == "-" or word == "--" or word[1:2].isdigit():
             continue
         name = word.split("=", 1)[0].rstrip(".,:)")
-        if name in PENDING_FLAGS or name in ("-h", "--help"):
+        if name in ("-h", "--help"):
             continue
         option = known.get(name)
         if option is None:
             problems.append(f"{line.where()}: `{mention}`: {command.name} has no {name}")
             continue
-        optional = getattr(option, "const", None) is not None  # `status --json` (issue 21)
+        optional = option.const is not None  # `status --json`: its value may be left out
         takes_value = option.kind != "bool" and not optional and "=" not in word
         following = words[i + 1] if i + 1 < len(words) else None
-        bare = following is None or following.startswith("--")
-        if takes_value and bare and name not in PENDING_BARE:
+        bare = following is None or (following.startswith("-") and following != "-")
+        if takes_value and bare:
             problems.append(f"{line.where()}: `{mention}`: {name} needs a value")
     return problems
 
@@ -323,19 +331,71 @@ def test_replica_names_in_needs_are_accepted_as_the_reference_says(write_tree: W
     assert "`sglang-0`" in row and "not accepted" not in row
 
 
-def states_table(path: Path) -> list[str]:
-    return re.findall(r"^\| `([a-z -]+)` \|", path.read_text(), re.M)
+def section(path: Path, heading: str) -> str:
+    """The text under ``heading`` (a whole heading line) up to the next heading."""
+    text = path.read_text()
+    assert f"\n{heading}\n" in text, f"{path.name} has no heading {heading!r}"
+    return re.split(r"^#+ ", text.split(f"\n{heading}\n", 1)[1], maxsplit=1, flags=re.M)[0]
+
+
+def table_keys(text: str) -> list[str]:
+    """The first cells of a table's rows, when they are one code span."""
+    return re.findall(r"^\| `([^`]+)` \|", text, re.M)
+
+
+def states_table() -> list[str]:
+    return table_keys(section(OPERATIONS, "### States"))
 
 
 def test_the_operations_guide_explains_every_state() -> None:
-    documented = states_table(REPO / "docs" / "operations.md")
-    assert sorted(documented) == sorted(STATES)
+    assert sorted(states_table()) == sorted(STATES)
 
 
-def test_the_operations_guide_explains_every_state_status_help_lists() -> None:
-    states = pytest.importorskip("dflashops.commands.states")  # added by issue 21
-    legend = states.LEGEND.split("states", 1)[1].split("\n\n", 1)[0]
+def test_the_operations_guide_explains_the_states_status_help_lists() -> None:
+    legend = LEGEND.split("states", 1)[1].split("\n\n", 1)[0]
     listed = re.findall(r"^  (\S+(?: \S+)?)\s{2,}", legend, re.M)
-    assert listed, legend
-    missing = set(listed) - set(states_table(REPO / "docs" / "operations.md"))
-    assert not missing, f"status --help lists states the operations guide does not: {missing}"
+    assert len(listed) >= len(STATES), legend
+    assert sorted(listed) == sorted(states_table()), "status --help and the guide differ"
+
+
+def status_document(root: Path) -> dict[str, Any]:
+    """What `dflashops status --json FILE` writes for a job on a `connection: local` host."""
+    host = {"connection": "local", "gpus": 1, "workdir": str(root / "w"), "python": "python3"}
+    (root / "inventory.yaml").write_text(yaml.safe_dump({"hosts": {"local": host}}))
+    (root / "playbooks").mkdir()
+    job = {"name": "gen", "command": ["true"], "gpus": 1}
+    (root / "playbooks" / "p.yaml").write_text(
+        yaml.safe_dump({"name": "p", "hosts": "local", "jobs": [job]})
+    )
+    path = root / "status.json"
+    people = Console(file=io.StringIO())
+    assert status.status(people, inventory=str(root / "inventory.yaml"), json_path=str(path)) == 0
+    return cast(dict[str, Any], json.loads(path.read_text()))
+
+
+def unit_rows() -> list[dict[str, Any]]:
+    """Rows as status makes them: a restarted server (its last exit kept), a job with progress."""
+    server = judged("web-0", uf("web-0", "running", **RESTARTED), {})
+    job = judged("gen", uf("gen", "running", progress={"done": 1, "total": 2}), None)
+    return [server.as_json(), job.as_json()]
+
+
+def test_the_status_json_table_has_every_field_of_the_document(tmp_path: Path) -> None:
+    """One row per field of the document, of its hosts and of its units, and none it lacks; a
+    field that holds an object (or a list of them) names each of that object's keys."""
+    doc = status_document(tmp_path)
+    units = unit_rows()
+    assert units[0]["last_exit"] and units[1]["progress"] and units[0]["gpus"], units
+    table = section(OPERATIONS, "### `status --json`")
+    rows = {key: line for line in table.splitlines() for key in table_keys(line)}
+    fields = {key for key in doc if key not in ("hosts", "units")}
+    fields |= {f"hosts[].{key}" for key in doc["hosts"][0]}
+    fields |= {f"units[].{key}" for unit in [*doc["units"], *units] for key in unit}
+    assert sorted(fields - set(rows)) == [], "fields of the document the table leaves out"
+    assert sorted(set(rows) - fields) == [], "rows for fields the document does not have"
+    for unit in units:
+        for key, value in unit.items():
+            inner = value[0] if isinstance(value, list) and value else value
+            if isinstance(inner, dict):
+                row = rows[f"units[].{key}"]
+                assert [k for k in inner if f"`{k}`" not in row] == [], row
