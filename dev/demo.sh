@@ -5,7 +5,8 @@
 # supervisors, the job), waits for the generation job, shows status and one frame of `top`, then
 # stops it all. On the way it prints the launch lines of the two-node Ray example, runs the
 # built environment's console script from its `path`, shows that the servers' API key (given
-# through secret_args) is on no command line, and who last held the host's deploy lock.
+# through secret_args) is on no command line, who last held the host's deploy lock, and the
+# size of the kept copy of the job's output (`keep:`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash dev/setup.sh
@@ -37,4 +38,8 @@ $D top --once --host local
 $D logs generate --host local --lines 3
 $D unlock --host local  # the deploy lock: free, and who held it last
 $D stop --host local
+# keep: the generator's outputs, mirrored off the host by deploy and stop (the same files).
+kept=.dflashops/keep/local/generate/completions
+echo "demo: kept copy of the generator's output: $(du -sh "$kept" | cut -f1) in $kept," \
+    "$(cat "$kept"/completions-*.jsonl | wc -l) records"
 [[ "$state" == "done" ]]

@@ -12,6 +12,8 @@ from pathlib import Path
 from dflashops.config import reads
 from dflashops.config.inventory import Inventory
 from dflashops.config.load import Playbook, load_inventory, load_playbook
+from dflashops.config.providers import STATE_DIR as STATE_DIR
+from dflashops.config.providers import state_path
 from dflashops.errors import ConfigError, DflashopsError, Problem
 from dflashops.output import some
 from dflashops.plan import targets
@@ -19,6 +21,15 @@ from dflashops.plan.names import did_you_mean
 
 DEFAULT_INVENTORIES = ("inventory.yaml", "inventory.example.yaml")
 PLAYBOOKS = "*.y*ml"  # the project's playbooks: every match in playbooks/ beside the inventory
+
+
+def state_dir(inventory: Path) -> Path:
+    """The project's state folder, ``.dflashops/`` beside the inventory (what the controller
+    remembers of its hosts, kept outputs), created 0700 when missing: it may hold what the
+    hosts wrote."""
+    path = state_path(inventory)
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
 
 
 def find_inventory(given: str | None, cwd: Path | None = None) -> Path:

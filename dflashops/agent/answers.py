@@ -290,6 +290,7 @@ class HostFacts(FactsModel):
     python: str
     python_executable: str
     boot_id: str | None
+    node_id: str | None = None  # WORKDIR/node.json, written at the first deploy; None: absent
     clock_ticks: int | None
     uptime_s: float | None
     workdir: str

@@ -20,6 +20,7 @@ from dflashops.errors import DflashopsError
 from dflashops.events import EventLog, for_people
 from dflashops.lifecycle.deploy import HostRun
 from dflashops.lifecycle.fleet import on_hosts
+from dflashops.lifecycle.keep import kept, state_dir
 from dflashops.lifecycle.options import Options
 from dflashops.output import some
 from dflashops.plan.names import UnknownNames, of_host, of_units, partition, resolve
@@ -301,6 +302,11 @@ def each_host(
 ) -> int:
     """``work`` on every host of the target, a recap, and the exit status (0, or 2)."""
     board = ProgressBoard(out)
+    # Where kept outputs are mirrored (deploy restores and mirrors them, stop mirrors them);
+    # made only for a project that keeps something.
+    state = None
+    if target.selection and kept(r.unit for rs in target.rendered.values() for r in rs):
+        state = state_dir(target.selection.inventory.path)
 
     def one(host: Host) -> None:
         run = HostRun(
@@ -309,6 +315,7 @@ def each_host(
             events,
             opts=opts,
             board=board.update,
+            state_dir=state,
             **target.parts(host),
         )
         try:

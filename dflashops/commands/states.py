@@ -33,10 +33,11 @@ states (the state column; `status --json` gives the same words):
   unreachable     the host did not answer (address, port, sshd, host key, login): the line
                   under the table says why
   rolled back     `dflashops rollback` put a kept revision back (not in this version yet)
-  lost            `watch` has not reached the host for longer than --lost-after (not in this
-                  version yet)
-  re-provisioned  the host came back empty (new key, empty disk): `watch` deploys it again
-                  (not in this version yet)
+  lost            `watch` has not reached the host for longer than --lost-after (watch's own
+                  word: it says it on its line and in its host_lost notice)
+  re-provisioned  the host's workdir lost the node id it had when last seen (emptied, or
+                  another machine under its name; often a new key and port too): a line under
+                  the table says so until `deploy` gives it a new id and starts its units
 
 columns:
   uptime          of its current run: a restart by its supervisor starts it again
@@ -44,6 +45,12 @@ columns:
                   under way counts: `restarting` with `restart 1` shows 1)
   last exit       how its process last ended, kept until the next exit or a new start by a
                   deploy: exit code, signal, why (liveness, stop) and how long ago
+
+lines under the table, per host, against what the controller saw last (`status --json`:
+hosts[].identity is same, rebooted, re-provisioned or first-seen):
+  rebooted        its boot id changed: processes and /dev/shm are gone; `deploy` starts what
+                  is down (said once)
+  re-provisioned  see above (said until a deploy)
 """
 
 STYLE = {

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dflashops.agent.answers import HostFacts, SupervisorState, UnitFacts, UnitProbe
+from dflashops.changes.identity import ISO, iso
 from dflashops.changes.orphans import Orphan
 from dflashops.changes.verdicts import health_text, probe_spec
 from dflashops.commands.common import Target, prepare
@@ -30,11 +31,11 @@ from dflashops.engines.metrics import Memory, Reading, shown
 from dflashops.engines.render import Rendered
 from dflashops.events import STDOUT, EventLog, for_people
 from dflashops.lifecycle.fleet import Outcome, on_hosts
+from dflashops.lifecycle.memory import HostMemory
 from dflashops.lifecycle.session import HostSession
 from dflashops.output import duration, escape, inert, some
 
 DOCUMENT_SCHEMA = 1  # of the --json document: raised when a field changes meaning or goes away
-ISO = "%Y-%m-%dT%H:%M:%SZ"
 REASONS = {"liveness": "liveness failed", "stop": "stopped"}  # why an exit happened, as shown
 UNREACHABLE = "unreachable"  # a host's row when it did not answer
 
@@ -436,9 +437,10 @@ def status(
     matching none is an error, after the hosts were asked)."""
     people = for_people(out, json_path)
     target = prepare(people, inventory, hosts, playbooks, all_named_hosts=True)
+    seen = HostMemory(target.selection.inventory.path if target.selection else None)
 
     def look(host: Host) -> Look:
-        return look_at(target.session(host, EventLog(people)), target.degraded is not None)
+        return look_at(target.session(host, EventLog(people)), seen, target.degraded is not None)
 
     outcomes = on_hosts(list(target.hosts.values()), look, forks)
     memory = Memory()  # a vLLM counter's previous sample: tok/s since the last look
@@ -462,6 +464,8 @@ def status(
         if outcome.value is None:  # the error names the host
             why = escape(inert(outcome.error or "no answer"))
             people.print(f"[red]{host_state(outcome)}:[/] {why}")
+    for label, line in seen.warnings(outcomes):  # rebooted, re-provisioned since last seen
+        people.print(f"[yellow]{label}:[/] {escape(inert(line))}")
     for row in rows:
         if row.log_tail is not None:
             line = inert(f"[{row.host}] {row.seen.name} ({row.health}), end of its log:")
@@ -469,7 +473,7 @@ def status(
             people.out(inert(row.log_tail.rstrip("\n")), highlight=False)
     if json_path:
         # One line: a reader of JSON lines (an events file, a log) takes it whole too.
-        text = json.dumps(document(target, outcomes, rows, not bad)) + "\n"
+        text = json.dumps(document(target, outcomes, rows, not bad, seen)) + "\n"
         if json_path == STDOUT:
             sys.stdout.write(text)
             sys.stdout.flush()
@@ -482,12 +486,12 @@ def status(
 Look = tuple[HostFacts, dict[str, UnitProbe], dict[str, str], list[Orphan]]
 
 
-def look_at(session: HostSession, from_records: bool = False) -> Look:
-    """One host's facts, its running services' probes, the log ends of its failed units (the
-    session is closed after). ``from_records``: the units it records that no playbook renders
-    are looked at too (their log ends; no probe: how to probe them is not known)."""
+def look_at(session: HostSession, seen: HostMemory, from_records: bool = False) -> Look:
+    """One host's facts (then compared with ``seen``, and kept there), its services' probes, its
+    failed units' log ends; ``from_records``: of the units no playbook renders too (not probed)."""
     try:
         facts = session.gather()
+        seen.look(session, facts)
         probed = [
             r
             for r in session.rendered
@@ -558,7 +562,7 @@ def only(rows: list[Row], names: list[str], hosts: list[str]) -> list[Row]:
 
 
 def document(
-    target: Target, outcomes: dict[str, Outcome[Look]], rows: list[Row], ok: bool
+    target: Target, outcomes: dict[str, Outcome[Look]], rows: list[Row], ok: bool, seen: HostMemory
 ) -> dict[str, Any]:
     """`status --json`: one document (its schema: docs/operations.md, "status --json")."""
     hosts = []
@@ -572,6 +576,7 @@ def document(
                 "state": "ok" if facts is not None else host_state(outcome),
                 "error": outcome.error,
                 "time": iso(facts.time) if facts is not None else None,
+                "identity": seen.identity(name),  # same, rebooted, ... (None: not read)
             }
         )
     return {
@@ -588,10 +593,6 @@ def host_state(outcome: Outcome[Look]) -> str:
     """A host without facts: ``failed`` when it answered (its python is missing, another
     actor holds its lock) or on a bug of ours, else ``unreachable`` (the network, sshd, keys)."""
     return "failed" if outcome.reached or outcome.unexpected else UNREACHABLE
-
-
-def iso(seconds: float) -> str:
-    return datetime.fromtimestamp(seconds, timezone.utc).strftime(ISO)
 
 
 def add_row(table: Table, *cells: str) -> None:

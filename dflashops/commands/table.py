@@ -233,6 +233,48 @@ COMMANDS: tuple[Command, ...] = (
         touches_hosts=True,
     ),
     Command(
+        "watch",
+        "the fleet's control loop: call every host each interval, start what is down, notify",
+        "dflashops.commands.watch:watch",
+        (
+            *SELECTION,
+            Option("interval", ("--interval",), "time between calls to a host", default="30s"),
+            Option(
+                "lost_after",
+                ("--lost-after",),
+                "a host is lost after this long of failed calls in a row (at least --interval)",
+                default="2m",
+                metavar="DURATION",
+            ),
+            Option(
+                "heal",
+                ("--heal",),
+                "also start units their supervisor gave up on (crashed)",
+                choices=("crashed",),
+                metavar="WHAT",
+            ),
+            flag(
+                "once",
+                "one call to every host and what it needs, a line per host, then exit (non-zero "
+                "when a host could not be read or a start failed)",
+            ),
+            *FLEET,
+        ),
+        details=(
+            "Each tick: one facts call per host (a session kept open), then, under the host's\n"
+            "deploy lock and through deploy's own code, it starts what should run and does not:\n"
+            "units gone with their supervisor (killed with it, a reboot), a host back empty.\n"
+            "It never restarts a running unit, nor starts one `stop` stopped; a crashed unit is\n"
+            "reported (started with --heal crashed). A failed call is never acted on: a host is\n"
+            "lost after --lost-after of failed calls (called with backoff, up to interval x 8).\n"
+            "A changed host key stops all action there until `dflashops trust`. Notices go to\n"
+            "the host's notify webhook: host_lost, host_back, reprovisioned, key_changed,\n"
+            "redeployed, restored, job_done. The inventory and playbooks are loaded again when\n"
+            "they change on disk; one that does not load stops the starting, not the looking."
+        ),
+        touches_hosts=True,
+    ),
+    Command(
         "logs",
         "the end of a unit's current log",
         "dflashops.commands.logs:logs",
@@ -339,6 +381,30 @@ COMMANDS: tuple[Command, ...] = (
                 "which schema",
                 default="all",
                 choices=("all", "inventory", "playbook"),
+            ),
+        ),
+    ),
+    Command(
+        "inventory",
+        "the inventory as dflashops sees it: hosts, groups, vars, provider-resolved addresses",
+        "dflashops.commands.inventory:inventory",
+        (
+            INVENTORY,
+            Option(
+                "hosts",
+                ("--host", "--limit"),
+                "host or group names, comma-separated, repeatable; `all` and shell globs "
+                "('h100-*') too (default: every host)",
+                kind="list",
+                metavar="NAMES",
+            ),
+            Option(
+                "as_json",
+                ("--list",),
+                "print it as JSON, like `ansible-inventory --list`: hosts with their "
+                "address, port, user, workdir, gpus, python, provider and vars; groups",
+                kind="bool",
+                default=False,
             ),
         ),
     ),

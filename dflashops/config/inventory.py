@@ -8,8 +8,17 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+)
 
+from dflashops.config.providers import KINDS, PodRef, Provider, state_path
 from dflashops.config.types import (
     Address,
     Env,
@@ -52,6 +61,70 @@ class Notify(StrictModel):
         elif not re.fullmatch(r"^https?://[^\s]+$", value):
             raise ValueError("the webhook is an http:// or https:// URL, or env:NAME")
         return value
+
+
+ENV_REF = re.compile(r"^env:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _secret_ref(value: Any) -> str:
+    # The value itself is never repeated in the message: it may be the key.
+    if not isinstance(value, str) or not ENV_REF.fullmatch(value):
+        raise ValueError(
+            "the API key is a secret: write env:NAME, the environment variable that holds it "
+            "(never the key itself)"
+        )
+    return value
+
+
+def _api_url(value: Any) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"^https?://[^\s]+$", value):
+        raise ValueError("api_url is an http:// or https:// URL")
+    return value
+
+
+class ProviderSpec(StrictModel):
+    """A provider account whose API says where its pods are."""
+
+    api_key: Annotated[
+        str,
+        BeforeValidator(_secret_ref),
+        Field(
+            description="env:NAME: the controller's environment variable holding the API key "
+            "(read when an address is needed; never written anywhere, never printed)."
+        ),
+    ]
+    api_url: Annotated[
+        str | None,
+        BeforeValidator(_api_url),
+        Field(
+            description="The API's base URL (default: RunPod https://rest.runpod.io/v1, "
+            "Vast.ai https://console.vast.ai/api/v0); for tests and proxies."
+        ),
+    ] = None
+
+
+class Providers(StrictModel):
+    """Provider accounts, for hosts named by their pod instead of an address."""
+
+    runpod: Annotated[ProviderSpec | None, Field(description="RunPod (REST API v1).")] = None
+    vast: Annotated[ProviderSpec | None, Field(description="Vast.ai (API v0).")] = None
+
+
+class RunpodPod(StrictModel):
+    """A RunPod pod: its public IP and the public port of its 22 come from RunPod's API."""
+
+    pod: Annotated[
+        Text,
+        Field(min_length=1, max_length=191, description="The pod's name, as RunPod shows it."),
+    ]
+
+
+class VastInstance(StrictModel):
+    """A Vast.ai instance: its public IP and the public port of its 22 come from Vast's API."""
+
+    instance: Annotated[
+        int, Field(ge=1, description="The instance's id (`vastai show instances`).")
+    ]
 
 
 class HostSettings(StrictModel):
@@ -137,6 +210,20 @@ class HostSpec(HostSettings):
             "multi-node unit whose head it is); default: address."
         ),
     ] = None
+    runpod: Annotated[
+        RunpodPod | None,
+        Field(
+            description="Instead of address and port: the RunPod pod this host is "
+            "(needs `providers: runpod`)."
+        ),
+    ] = None
+    vast: Annotated[
+        VastInstance | None,
+        Field(
+            description="Instead of address and port: the Vast.ai instance this host is "
+            "(needs `providers: vast`)."
+        ),
+    ] = None
 
 
 class GroupSpec(StrictModel):
@@ -188,6 +275,13 @@ class InventoryFile(StrictModel):
             "is named `all`), and shell-style globs ('h100-*') match host and group names."
         ),
     ] = Field(default_factory=dict)
+    providers: Annotated[
+        Providers,
+        Field(
+            description="Provider accounts (runpod, vast) for hosts named by their pod: "
+            "their address and SSH port are asked of the provider's API when needed."
+        ),
+    ] = Field(default_factory=Providers)
 
     def members(self) -> dict[str, list[str]]:
         """Each group's hosts, whichever form it was written in."""
@@ -203,8 +297,8 @@ class Host:
 
     name: str
     connection: ConnectionKind
-    address: str | None
-    port: int | None
+    given_address: str | None  # the inventory's address (None for a provider host)
+    given_port: int | None
     user: str | None
     key_file: str | None
     gpus: int
@@ -218,6 +312,24 @@ class Host:
     webhook: str | None = None  # a URL or env:NAME, from notify
     internal_address: str | None = None  # what other hosts dial (default: address)
     net_if: str | None = None
+    provider: PodRef | None = None  # a provider host: its pod, which knows its address
+
+    # A provider host's address and port are asked of its provider here, when they are first
+    # read: by whatever connects (hosts/ssh.py), so nothing that does not connect (offline
+    # pre-flight, render) ever calls an API, and every way of connecting gets them.
+    @property
+    def address(self) -> str | None:
+        """Where SSH connects: the inventory's address, or the pod's public IP now."""
+        if self.provider is None:
+            return self.given_address
+        return self.provider.endpoint(self.name).address
+
+    @property
+    def port(self) -> int | None:
+        """The SSH port: the inventory's, or the pod's public port for 22 now."""
+        if self.provider is None:
+            return self.given_port
+        return self.provider.endpoint(self.name).port
 
     @property
     def dial_address(self) -> str:
@@ -234,6 +346,8 @@ class Inventory:
     path: Path
     hosts: dict[str, Host]
     groups: dict[str, list[str]]
+    group_vars: dict[str, dict[str, Any]] = field(default_factory=dict)  # groups' own vars
+    providers: dict[str, Provider] = field(default_factory=dict)  # by name: runpod, vast
 
     def expand(self, names: list[str]) -> list[str]:
         """Host and group names, `all` and shell-style globs (fnmatch: `h100-*`, `node[0-3]`)
@@ -275,17 +389,19 @@ def resolve_hosts(spec: InventoryFile, inventory_path: Path) -> dict[str, Host]:
     """Apply defaults to every host. Pure: raises ValueError per host on incomplete entries."""
     d = spec.defaults
     from_groups = group_vars(spec)
+    providers = make_providers(spec, inventory_path)
     hosts: dict[str, Host] = {}
     for name, h in spec.hosts.items():
         connection = h.connection or d.connection or "ssh"
         workdir = h.workdir or d.workdir or "~/dflashops"
         if connection == "local" and not workdir.startswith(("/", "~")):
             workdir = str((inventory_path.parent / workdir).resolve())
+        pod = pod_of(h, providers)
         hosts[name] = Host(
             name=name,
             connection=connection,
-            address=h.address,
-            port=h.port or d.port,
+            given_address=h.address,
+            given_port=None if pod is not None else h.port or d.port,
             user=h.user or d.user,
             key_file=h.key_file or d.key_file,
             gpus=h.gpus if h.gpus is not None else (d.gpus or 0),
@@ -299,8 +415,32 @@ def resolve_hosts(spec: InventoryFile, inventory_path: Path) -> dict[str, Host]:
             webhook=notify.webhook if (notify := h.notify or d.notify) is not None else None,
             internal_address=h.internal_address,
             net_if=h.net_if or d.net_if,
+            provider=pod,
         )
     return hosts
+
+
+def make_providers(spec: InventoryFile, inventory_path: Path) -> dict[str, Provider]:
+    """One Provider per account the inventory names: nothing is asked of it yet."""
+    out = {}
+    for name, kind in KINDS.items():
+        given = getattr(spec.providers, name)
+        if given is not None:
+            cache = state_path(inventory_path) / "providers" / f"{name}.json"
+            out[name] = Provider(kind, given.api_url or kind.default_url, given.api_key[4:], cache)
+    return out
+
+
+def pod_of(h: HostSpec, providers: dict[str, Provider]) -> PodRef | None:
+    """The pod a host names (its provider told which pods to follow), or None."""
+    key = h.runpod.pod if h.runpod else str(h.vast.instance) if h.vast else None
+    if key is None:
+        return None
+    name = "runpod" if h.runpod else "vast"
+    if name not in providers:
+        raise ValueError(f"a {name} host needs `providers: {name}:` in the inventory")
+    providers[name].keys.add(key)
+    return PodRef(providers[name], key)
 
 
 def group_vars(spec: InventoryFile) -> dict[str, dict[str, Any]]:

@@ -62,7 +62,13 @@ def load_inventory(path: Path) -> Inventory:
     if problems:
         raise ConfigError(in_order(problems))
     hosts = resolve_hosts(spec, path)
-    return Inventory(path=path, hosts=hosts, groups=spec.members())
+    return Inventory(
+        path=path,
+        hosts=hosts,
+        groups=spec.members(),
+        group_vars={g: dict(s.vars) for g, s in spec.groups.items() if isinstance(s, GroupSpec)},
+        providers={h.provider.name: h.provider.provider for h in hosts.values() if h.provider},
+    )
 
 
 def in_order(problems: list[Problem]) -> list[Problem]:
@@ -80,7 +86,10 @@ def _inventory_references(doc: Document) -> list[Problem]:
         if not isinstance(host, dict):
             continue
         connection = host.get("connection", defaults.get("connection", "ssh"))
-        if connection == "ssh" and not host.get("address"):
+        pods = [k for k in PROVIDERS if k in host]
+        if pods:
+            problems += _pod_host(doc, name, host, pods, connection)
+        elif connection == "ssh" and not host.get("address"):
             problems.append(
                 doc.problem(
                     ("hosts", name), "an ssh host needs `address` (or set `connection: local`)"
@@ -101,6 +110,40 @@ def _inventory_references(doc: Document) -> list[Problem]:
                 close = difflib.get_close_matches(member, [str(h) for h in hosts], n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 problems.append(doc.problem((*where, i), f"unknown host {member!r}{hint}"))
+    return problems
+
+
+PROVIDERS = ("runpod", "vast")  # a host's keys that name its pod instead of an address
+
+
+def _pod_host(
+    doc: Document, name: str, host: dict[str, Any], pods: list[str], connection: Any
+) -> list[Problem]:
+    """A host named by its pod: its provider is declared, and nothing else says where it is."""
+    where = ("hosts", name)
+    kind = pods[0]
+    if len(pods) > 1:
+        return [doc.problem((*where, pods[1]), f"a host is one pod: keep `{kind}` or `{pods[1]}`")]
+    if connection == "local":
+        return [doc.problem((*where, kind), f"a local host has no {kind} pod; remove `{kind}`")]
+    problems = [
+        doc.problem(
+            (*where, key),
+            f"a {kind} host's {key} comes from {kind}'s API: remove `{key}` "
+            f"(or remove `{kind}` to use a fixed address)",
+        )
+        for key in ("address", "port")
+        if key in host
+    ]
+    declared = _mapping(_mapping(doc.data).get("providers"))
+    if kind not in declared:
+        problems.append(
+            doc.problem(
+                (*where, kind),
+                f"a {kind} host needs `providers: {{{kind}: {{api_key: env:NAME}}}}` in the "
+                "inventory",
+            )
+        )
     return problems
 
 

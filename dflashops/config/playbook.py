@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import posixpath
+import re
+from collections.abc import Collection
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
@@ -120,6 +123,89 @@ class Liveness(StrictModel):
         if not value.startswith("/") or any(c.isspace() for c in value):
             raise ValueError("a probe path starts with '/' and has no spaces")
         return value
+
+
+KEEP_TO_RE = re.compile(r"^(?P<host>[a-z0-9][a-z0-9-]*):(?P<path>(?:/|~/).*)$")
+
+
+def _kept_path(value: str) -> str:
+    """Absolute on the host or relative to its workdir; never '..', '/' or the workdir."""
+    if ".." in value.split("/"):
+        raise ValueError(f"{value!r} contains '..': name the place itself")
+    if value.startswith("~") and not value.startswith("~/"):
+        raise ValueError(f"{value!r}: '~' must be followed by '/'")
+    if keep_name(value) in ("", ".", "~"):
+        raise ValueError(f"{value!r} names no file or folder to keep (like completions/)")
+    return value
+
+
+def keep_name(path: str) -> str:
+    """The name a kept path has in its copy (``KEEP/HOST/JOB/NAME/...``): its last part."""
+    return posixpath.basename(path.rstrip("/"))
+
+
+class Keep(StrictModel):
+    """A job's outputs, mirrored off the node while it runs and restored before it starts on a
+    host that lost them (DESIGN "Nothing lost when a node is lost" 1-2)."""
+
+    paths: Annotated[
+        list[Annotated[PathStr, AfterValidator(_kept_path)]],
+        Field(
+            min_length=1,
+            description="Files or folders the job writes: absolute on the host (/..., ~/...) or "
+            "relative to its workdir. Each is kept as NAME (its last part) in the copy.",
+        ),
+    ]
+    to: Annotated[
+        Text,
+        Field(
+            description="controller (.dflashops/keep/HOST/JOB/ beside the inventory) or "
+            "'HOST:/path' on another inventory host (relayed through the controller's copy)."
+        ),
+    ] = "controller"
+    every: Annotated[Seconds, Field(description="How often `watch` mirrors (at least 5s).")] = 60.0
+    limit: Annotated[
+        Size | None, Field(description="Bytes per second one mirror may send ('20MiB').")
+    ] = None
+
+    @field_validator("to")
+    @classmethod
+    def _to(cls, value: str) -> str:
+        if value != "controller" and (not KEEP_TO_RE.fullmatch(value) or "/../" in f"{value}/"):
+            raise ValueError(f"{value!r} is neither `controller` nor 'HOST:/absolute/path'")
+        return value
+
+    @field_validator("every")
+    @classmethod
+    def _every(cls, value: float) -> float:
+        if value < 5:
+            raise ValueError(f"every must be at least 5s (got {value:g}s)")
+        return value
+
+    @field_validator("paths")
+    @classmethod
+    def _distinct_names(cls, value: list[str]) -> list[str]:
+        names = [keep_name(p) for p in value]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"two paths would both be kept as {twice[0]!r}: keep one of them")
+        return value
+
+    @property
+    def target(self) -> tuple[str, str] | None:
+        """(host, path) of ``to: HOST:/path``; None for the controller."""
+        m = KEEP_TO_RE.fullmatch(self.to)
+        return (m.group("host"), m.group("path").rstrip("/") or "/") if m else None
+
+
+def keep_target_problem(keep: Keep, host: str, hosts: Collection[str]) -> str | None:
+    """Why ``to: HOST:/path`` cannot take the copy of a job on ``host`` (None: it can)."""
+    target = keep.target
+    if target is not None and target[0] not in hosts:
+        return f"keep.to names {target[0]!r}, which is not a host of the inventory"
+    if target is not None and target[0] == host:
+        return f"keep.to names {host}, the job's own host: the copy would be lost with it"
+    return None
 
 
 class UnitBase(StrictModel):
@@ -423,6 +509,9 @@ class Job(UnitBase):
     dist_port: Annotated[
         Port, Field(description="torchrun's --master-port, on the first node.")
     ] = 29500
+    keep: Annotated[
+        Keep | None, Field(description="Outputs mirrored off the node, restored before a start.")
+    ] = None
 
     _args = field_validator("args")(_check_args)
 
@@ -432,6 +521,8 @@ class Job(UnitBase):
             raise ValueError("a job needs exactly one of `script` or `command`")
         if self.nodes is not None and self.launcher is None:
             raise ValueError("a job over several nodes needs `launcher: torchrun`")
+        if self.keep is not None and self.nodes is not None:
+            raise ValueError("`keep` is for a job on one host, not one over several nodes")
         if self.launcher == "torchrun" and (
             self.script is None
             or not (self.script.endswith(".py") or self.script.startswith("dflashops:"))

@@ -16,6 +16,7 @@ import hashlib
 import json
 import posixpath
 from dataclasses import dataclass
+from pathlib import Path
 
 from dflashops.agent.answers import HostFacts
 from dflashops.agent.lock import take as hold_lock
@@ -33,6 +34,8 @@ from dflashops.changes.verdicts import (
 )
 from dflashops.engines.render import Rendered
 from dflashops.engines.secrets import files as secret_files
+from dflashops.lifecycle import keep
+from dflashops.lifecycle.memory import HostMemory
 from dflashops.lifecycle.ready import Readiness
 from dflashops.lifecycle.stage import Stage
 from dflashops.output import inert
@@ -50,9 +53,14 @@ PLAN_VERBS = {  # --check's word for each decided action
 
 @dataclass
 class HostRun(Readiness):
+    # The project's state folder (.dflashops/ beside the inventory): where kept outputs are
+    # mirrored (lifecycle/keep.py). None: this run mirrors and restores nothing.
+    state_dir: Path | None = None
+
     def __post_init__(self) -> None:
         super().__post_init__()
         self.stage: Stage | None = None
+        self.restored: set[str] = set()  # kept jobs whose outputs were put back before start
 
     # -- deploy ----------------------------------------------------------------------------
 
@@ -82,6 +90,8 @@ class HostRun(Readiness):
         if apply:  # a plan changes nothing: it needs no lock
             self.take_lock("deploy")
         facts = self.gather(probe=True, rerun=self.opts.rerun)
+        if apply:  # the lock just gave a new node its id: remember it, or status warns after
+            self._remember(facts)
         self._orphans(prune=apply and self.opts.prune)
         changes = self._decide(facts)
         if apply:
@@ -90,6 +100,7 @@ class HostRun(Readiness):
             for c in changes:
                 status = "ok" if c.action == "ok" else "changed"
                 self.emit(c.name, status, "plan", f"{PLAN_VERBS[c.action]} ({c.reason})")
+            keep.before_start(self, self.state_dir, [c for c in changes if c.runs_after])
 
     def _decide(self, facts: HostFacts) -> list[Change]:
         """What each unit needs, after its environments and files entries (which stage.py
@@ -134,6 +145,12 @@ class HostRun(Readiness):
         )
         self._settle_spans(self.spans)
         self._run_jobs([c for c in changes if c.rendered.unit.kind == "job"], facts)
+        # The one mirror of this deploy, for the kept jobs whose start did not do it.
+        keep.after(
+            self,
+            self.state_dir,
+            [r.unit for r in self.rendered if r.unit.name not in self.restored],
+        )
 
     def _notify(self, facts: HostFacts) -> list[tuple[bytes, str, int]]:
         """The host's webhook, as WORKDIR/notify.json (0600), when it is not there already:
@@ -327,6 +344,12 @@ class HostRun(Readiness):
         finally:
             self.opts.spans.end(self.spans, self.host.name)
 
+    def _remember(self, facts: HostFacts) -> None:
+        memory = HostMemory.at(self.state_dir)
+        memory.look(self, facts)
+        for line in memory.problems:
+            self.emit(None, "ok", "identity", line)
+
     def _restart_services(self, rolling: bool) -> None:
         self.take_lock("restart-servers")
         facts = self.gather()
@@ -393,6 +416,8 @@ class HostRun(Readiness):
                 self.fail(name, "stop", f"stop incomplete: {stop_problem(res)}")
                 continue
             self.emit(name, "changed", "stop", f"stopped ({stopped_text(res)}; logs kept)")
+        # Kept jobs are mirrored once more, all their output written by now.
+        keep.after(self, self.state_dir, [r.unit for r in self.rendered if r.unit.name in order])
 
     def _orphans(self, prune: bool) -> None:
         """Name every orphan; with ``prune`` (--prune, not --check), stop them first (proven
@@ -468,7 +493,10 @@ class HostRun(Readiness):
                 for name in pending:  # a cycle, which pre-flight rejects
                     self.fail(name, "start", "needs can never be satisfied (cycle?)")
                 return
-            self._start([c for c in batch if c.runs_after and c.name not in self.failed])
+            starting = [c for c in batch if c.runs_after and c.name not in self.failed]
+            # A kept job starts on its outputs: those the host lost are put back first.
+            self.restored.update(c.name for c in starting)
+            self._start(keep.before_start(self, self.state_dir, starting))
             for c in batch:
                 if c.name in self.failed:
                     continue

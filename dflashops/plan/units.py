@@ -14,6 +14,7 @@ from dflashops.config.playbook import (
     ModelService,
     SglangService,
     VllmService,
+    keep_target_problem,
 )
 from dflashops.config.yamlsource import PathKey
 from dflashops.engines.protocol import DEFAULT_PORTS
@@ -41,6 +42,8 @@ def job_units(
             return []
         nodes = found
     where = locator(book, ("jobs", index, "gpus"), f"job {job.name}: ")
+    if job.keep is not None and (why := keep_target_problem(job.keep, host.name, inventory.hosts)):
+        problems.append(book.doc.problem(("jobs", index, "keep", "to"), why))
     return [
         Unit(
             name=job.name,

@@ -224,6 +224,7 @@ def test_verbose_is_on_every_command_that_touches_hosts() -> None:
         "trust",
         "unlock",
         "fetch",
+        "watch",
     }
     for name in touching:
         assert argparse_kwargs([name, *required(name), "-v"])["verbose"] is True

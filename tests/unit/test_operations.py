@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from dflashops.changes.verdicts import (
     readiness,
     start_blocker,
 )
+from dflashops.changes.watch import Acted, History, Looked, Settings, acted, looked_at, step
 from dflashops.config.load import load_inventory, load_playbook
 from dflashops.engines.render import Rendered, render_plan
 from dflashops.plan import build_plan
@@ -212,11 +214,84 @@ def op_plan_changes(case: dict[str, Any], rendered: dict[str, Rendered]) -> dict
     return got
 
 
+def watch_unit(name: str, how: str, rendered: dict[str, Rendered]) -> Any:
+    """``unit_facts``, and what only watch tells apart: ``gone`` (dead, and its supervisor's
+    record still says it runs: killed with it), ``crashed`` (its supervisor gave up),
+    ``exited`` (its supervisor ended, its policy did not restart it)."""
+    uf = unit_facts(name, "dead" if how in ("gone", "crashed", "exited") else how, rendered)
+    if how == "gone":
+        uf.update(exit=None, supervisor={"state": "running", "restarts": 0})
+    elif how == "crashed":
+        uf.update(supervisor={"state": "crashed", "restarts": 5}, crashed={"restarts": 5})
+    elif how == "exited":
+        uf.update(exit={"code": 0}, supervisor={"state": "ended", "restarts": 0})
+    return uf
+
+
+def watch_calls(calls: list[Any]) -> list[Any]:
+    """``{"repeat": N, "call": C}`` is C, N times."""
+    out = []
+    for c in calls:
+        out += [c["call"]] * c["repeat"] if isinstance(c, dict) and "repeat" in c else [c]
+    return out
+
+
+def op_watch(case: dict[str, Any], rendered: dict[str, Rendered]) -> dict[str, Any]:
+    """``calls``: what each call to host h gave, made when the host's memory says it is due:
+    ``"fail"``, ``"untrusted"`` (its key changed), or ``{units, boot_id, node_id, converge,
+    act}`` (``act``: what the deploy of that call's units did, changes.watch.Acted's fields).
+    ``expect`` names what is compared: ``at``, ``state``, ``status``, ``changed`` (lists, a
+    value per call), ``notices`` (``"CALL:event"``), ``starts``, ``deploys`` and ``mirrors``
+    ({CALL: units}), ``text`` ({CALL: words the line holds})."""
+    given = case["settings"]
+    settings = Settings(given["interval"], given["lost_after"], frozenset(given.get("heal", [])))
+    h = History()
+    got: dict[str, Any] = {"at": [], "state": [], "status": [], "changed": [], "notices": []}
+    got.update(starts={}, deploys={}, mirrors={}, text={})
+    for i, call in enumerate(watch_calls(case["calls"])):
+        if call in ("fail", "untrusted"):
+            seen = Looked(failure=f"{call}!", untrusted=call == "untrusted")
+        else:
+            units = {n: watch_unit(n, how, rendered) for n, how in call["units"].items()}
+            facts = host_facts(units, shipped(rendered)).model_copy(
+                update={"boot_id": call.get("boot_id", BOOT), "node_id": call.get("node_id")}
+            )
+            seen = looked_at(list(rendered.values()), facts)
+        now = h.due
+        done = step(
+            h, seen, now, settings, None if call in ("fail", "untrusted") else call.get("converge")
+        )
+        got["notices"] += [f"{i}:{n.event}" for n in done.notices]
+        if isinstance(call, dict) and "act" in call:
+            act = call["act"]
+            done = acted(
+                done, Acted(tuple(act.get("started", ())), act.get("failed", {}), act.get("busy"))
+            )
+            got["notices"] += [f"{i}:{n.event}" for n in done.notices]
+        got["at"].append(now)
+        got["state"].append(done.history.state)
+        got["status"].append(done.status)
+        got["changed"].append(done.changed)
+        if done.start:
+            got["starts"][str(i)] = list(done.start)
+            got["deploys"][str(i)] = list(done.deploy)
+        if done.mirror:
+            got["mirrors"][str(i)] = list(done.mirror)
+        for words in case["expect"].get("text", {}).get(str(i), []):
+            if words in done.text:
+                got["text"].setdefault(str(i), []).append(words)
+            else:
+                got["text"].setdefault(str(i), []).append(f"NOT IN: {done.text}")
+        h = replace(done.history, said=done.key)
+    return {k: got[k] for k in case["expect"]}
+
+
 OPS = {
     "readiness": op_readiness,
     "start_blocker": op_start_blocker,
     "node_blocked": op_node_blocked,
     "plan_changes": op_plan_changes,
+    "watch": op_watch,
 }
 
 

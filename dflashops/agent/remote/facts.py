@@ -7,8 +7,9 @@ listeners to report, with their holders; null: all), ``probe`` (a probe request 
 answered as ``probe``: one call for a deploy that has nothing to do), ``settled`` ({unit:
 {fingerprint, job}}: when all run or finished as given, nvidia-smi is skipped, gpus.skipped).
 
-Answer: hostname, time, python, python_executable, boot_id, clock_ticks, uptime_s, workdir,
-workdir_exists, disk, gpus (see gpu.gather), listening [{address, port, inode, uid, pids, and
+Answer: hostname, time, python, python_executable, boot_id, node_id (identity.py; None when the
+workdir has none), clock_ticks, uptime_s, workdir, workdir_exists, disk, gpus (see gpu.gather),
+listening [{address, port, inode, uid, pids, and
 for a port not all this workdir's units': holders [{pid, cmdline, unit, workdir, this_workdir}],
 user (the socket's owner, when no holder is visible)}], payloads
 {"<hash16>/<name>": sha256}, units {name: {name, script_sha256, unit, pid, exit, stopped,
@@ -26,7 +27,7 @@ import socket
 import sys
 import time
 
-from . import gpu, layout, logs, ownership, probe, procfs, tree
+from . import gpu, identity, layout, logs, ownership, probe, procfs, tree
 from .common import (
     TMP_MARK,
     BadRequest,
@@ -376,6 +377,8 @@ def basics(workdir: str, boot: Any, errors: Json) -> Json:
         "uptime_s": float(uptime.split()[0]) if uptime else None,
         "workdir": workdir,
         "workdir_exists": os.path.isdir(workdir),
+        # Written at the first deploy: gone (None) means an emptied workdir or a new machine.
+        "node_id": section(errors, "node_id", None, lambda: identity.read(workdir)),
     }
     facts["disk"] = section(errors, "disk", None, lambda: tree.free_bytes(workdir))
     # Network interfaces, for a multi-node unit's net_if (NCCL_SOCKET_IFNAME must name one).

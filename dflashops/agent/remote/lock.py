@@ -23,7 +23,7 @@ import os
 import signal
 import time
 
-from . import layout, procfs
+from . import identity, layout, procfs
 from .common import (
     BadRequest,
     Json,
@@ -108,7 +108,9 @@ def acquire(workdir: str, holder: Json, wait: float, poll: float) -> Json:
         os.close(fd)  # a lock nobody could name would be refused without a holder: let it go
         raise
     HELD[workdir] = fd
-    return {"ok": True, "holder": record, "holder_alive": True}
+    # The first deploy here (or the first since the workdir was emptied) gives the node its
+    # id, under the lock: facts report it, and the controller tells a new node by it.
+    return dict({"ok": True, "holder": record, "holder_alive": True}, **identity.ensure(workdir))
 
 
 def try_lock(path: str) -> int | None:

@@ -57,6 +57,7 @@ ACTIONS = (
     "rendezvous",
     "lock",
     "engine_args",
+    "keep",
 )
 
 
