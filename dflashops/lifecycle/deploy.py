@@ -108,8 +108,7 @@ class HostRun(Readiness):
         self.stage = stage = Stage(
             self, self.node, facts, self.opts.check, self.check_abort, self.failed
         )
-        stage.environments()
-        stage.files()
+        stage.both()
         changes = plan_changes(
             self.rendered, facts, rerun=self.opts.rerun, content=self._content(stage)
         )

@@ -70,9 +70,50 @@ class Stage:
         if change is not None:
             (change.would if self.check else change.apply)()
 
+    builder: Agent | None = None  # the environments' own agent while they build beside files
+
     @property
     def agent(self) -> Agent:
         return self.session.agent
+
+    def both(self) -> None:
+        """Environments, then files entries, made so; at once when both have work to do.
+        They are independent until units start, so an environment building from wheels
+        and a model staged to the RAM disk share the wait instead of adding theirs up. The
+        environments get an agent of their own (its calls are channels of their own on the
+        same connection): the session's kept agent answers one call at a time."""
+        building = not self.check and any(self._to_build())
+        staging = any(True for _ in self.node.files)
+        if not (building and staging):
+            self.environments()
+            self.files()
+            return
+        self.builder = Agent(self.session.conn, self.session.host.python)
+        failure: list[BaseException] = []
+
+        def build() -> None:
+            try:
+                self.environments()
+            except BaseException as exc:  # raised here, in the step's own thread, after files
+                failure.append(exc)
+
+        thread = threading.Thread(target=build, name=f"build-{self.session.host.name}")
+        thread.start()
+        try:
+            self.files()
+        finally:
+            thread.join()
+            self.builder = None
+        if failure:
+            raise failure[0]
+
+    def _to_build(self) -> list[EnvPlan]:
+        states = {env.name: self.facts.envs.get(env.name) for env in self.node.envs.values()}
+        return [
+            env
+            for env in self.node.envs.values()
+            if (state := states[env.name]) is None or state.state not in ("ok", "unmanaged")
+        ]
 
     # -- environments --------------------------------------------------------------------------
 
@@ -118,7 +159,7 @@ class Stage:
                 specs.append(self._env_spec(env))
             except DflashopsError as exc:
                 self._env_failed(env, exc.message_for(self.session.host.name))
-        results = self.agent.build(self.session.workdir, specs)
+        results = (self.builder or self.agent).build(self.session.workdir, specs)
         for env in todo:
             res = results.get(env.name)
             if env.name in self.envs_failed:
@@ -160,12 +201,13 @@ class Stage:
             return spec
         inputs = env.inputs_dir(self.session.workdir)
         local = self._inputs_folder(env)
-        have = self.agent.scan(self.session.workdir, inputs, cache="dest").tree
+        agent = self.builder or self.agent
+        have = agent.scan(self.session.workdir, inputs, cache="dest").tree
         if have is None:
             raise HostError(self.session.host.name, f"the scan of {inputs} answered without it")
         plan = diff(dict(env.inputs.items()), listing(have.files), have.parts, delete=True)
         if not plan.empty:
-            res = upload(self.agent, self.session.workdir, inputs, local, plan, None)
+            res = upload(agent, self.session.workdir, inputs, local, plan, None)
             if not res.ok:
                 raise HostError(
                     self.session.host.name,
