@@ -28,11 +28,13 @@ class Session:
         try:
             self.stream.send(bundle() + b'{"action":"serve"}\n')
         except StreamEnded:
-            # The shell ended before it took the bundle: a missing python (exit 127) is the
-            # usual why, and the answer says it (PythonMissing), not "broken pipe".
+            # The shell ended before it took the bundle: a missing python (exit 127, 126) says
+            # so (PythonMissing), not "broken pipe". Any other end is the caller's to handle
+            # as before (a new session, or a call of its own).
             ending = self.stream.ending()
-            agent.close()
-            agent.answer("serve", ending)
+            if ending.exit_code in (126, 127):
+                agent.close()
+                agent.answer("serve", ending)
             raise
         # Requests that ride with the next call (the deploy lock): sent just before it and
         # answered just before it, so they cost no round trip of their own.
@@ -71,15 +73,20 @@ class Session:
         self, action: str, lines: list[bytes], data: Input, timeout: float
     ) -> list[bytes]:
         """Send request lines (``data`` after the last), read one answer line for each."""
+        got: list[bytes] = []
         try:
             for line in lines:
                 self.stream.send(line + b"\n")
             for chunk in chunks(data):
                 self.stream.send(chunk)
-            return [self.stream.readline(timeout) for _ in lines]
+            for _ in lines:
+                got.append(self.stream.readline(timeout))
+            return got
         except StreamEnded:
             ending = self.stream.ending()
             self.agent.close()
+            if got:  # what it said before it ended says more than its end (a hostile answer)
+                self.agent.answer(action, Result(f"agent session: {action}", 0, got[-1], b""))
             self.agent.answer(action, ending)  # raises, saying why (python missing, a crash)
             raise AgentError(self.host, f"the agent session ended during {action}") from None
         except BaseException:  # a timeout, Ctrl-C: the session's state is unknown

@@ -22,7 +22,7 @@ from dflashops.lifecycle.deploy import HostRun
 from dflashops.lifecycle.fleet import on_hosts
 from dflashops.lifecycle.keep import kept, state_dir
 from dflashops.lifecycle.options import Options
-from dflashops.output import some
+from dflashops.output import escape, some
 from dflashops.plan.names import UnknownNames, of_host, of_units, partition, resolve
 from dflashops.plan.nodestate import NodeState
 from dflashops.project import split_names
@@ -302,11 +302,18 @@ def each_host(
 ) -> int:
     """``work`` on every host of the target, a recap, and the exit status (0, or 2)."""
     board = ProgressBoard(out)
-    # Where kept outputs are mirrored (deploy restores and mirrors them, stop mirrors them);
-    # made only for a project that keeps something.
+    # The project's state folder: what the controller remembers of each host (node and boot
+    # id), and where kept outputs are mirrored (deploy restores and mirrors them, stop too).
     state = None
-    if target.selection and kept(r.unit for rs in target.rendered.values() for r in rs):
-        state = state_dir(target.selection.inventory.path)
+    if target.selection:
+        try:
+            state = state_dir(target.selection.inventory.path)
+        except OSError as exc:
+            units = (r.unit for rs in target.rendered.values() for r in rs)
+            lost = "; kept outputs are not mirrored this run" if kept(units) else ""
+            out.print(
+                f"[yellow]WARN[/] state folder: {escape(str(exc))}: hosts are not remembered{lost}"
+            )
 
     def one(host: Host) -> None:
         run = HostRun(

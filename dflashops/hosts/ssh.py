@@ -66,6 +66,10 @@ class SshStream(Stream):
         if self.channel.recv_ready():
             return self.channel.recv(1 << 16)
         if self.channel.closed or self.channel.exit_status_ready() or self.channel.eof_received:
+            # Its last bytes may have landed between the first look and this one (the transport
+            # thread takes data, then the end): read them before saying it ended.
+            if self.channel.recv_ready():
+                return self.channel.recv(1 << 16)
             raise StreamEnded(self.host, "the kept command ended")
         select.select([self.channel], [], [], min(wait, 0.5))
         return self.channel.recv(1 << 16) if self.channel.recv_ready() else b""

@@ -207,7 +207,9 @@ def test_json_nested_200000_deep_fails_that_host_with_a_clear_error(
     assert res.code == 2, res.explain()
     rows = {line.split()[0]: line for line in res.out.splitlines() if line.split()}
     assert "unreachable" in rows["evil"], res.out
-    assert "nested 200000 deep (at most 100)" in res.out, res.out
+    # How deep it says depends on how much had arrived when the reader gave up: past 100.
+    deep = re.search(r"answered with JSON nested (\d+) deep \(at most 100\)", res.out)
+    assert deep is not None and int(deep.group(1)) > 100, res.out
     assert "internal error" not in res.out and "absent" in rows["good"], res.out
 
 
