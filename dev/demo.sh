@@ -35,6 +35,8 @@ print(next((u["state"] for u in json.load(sys.stdin)["units"]), "?"))' || true)
 done
 $D status --host local
 $D top --once --host local
+# The fleet on one page, with plots over time: the command to run it (the demo opens nothing).
+echo "demo: the dashboard: $D dashboard --host local  (then open http://127.0.0.1:8765/)"
 $D logs generate --host local --lines 3
 $D unlock --host local  # the deploy lock: free, and who held it last
 $D stop --host local

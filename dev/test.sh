@@ -7,6 +7,7 @@ bash dev/ensure-sshd.sh
 bash dev/setup.sh dev
 bash dev/parsers-env.sh  # the engines' real parsers, built once and cached beside .venv
 bash dev/ray-wheels.sh >/dev/null  # the Ray tests build their environment from it
+bash dev/browser.sh  # chromium and chromium-driver: the dashboard's page in a real browser
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy

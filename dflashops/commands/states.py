@@ -32,7 +32,9 @@ states (the state column; `status --json` gives the same words):
                   `deploy --prune` or `stop --unit NAME` ends it
   unreachable     the host did not answer (address, port, sshd, host key, login): the line
                   under the table says why
-  rolled back     `dflashops rollback` put a kept revision back (not in this version yet)
+  rolled back     `dflashops rollback` put it back on a kept revision (the health column names
+                  it: revision N, playbooks differ); the next `deploy` re-applies the playbooks
+                  and says so first
   lost            `watch` has not reached the host for longer than --lost-after (watch's own
                   word: it says it on its line and in its host_lost notice)
   re-provisioned  the host's workdir lost the node id it had when last seen (emptied, or
@@ -59,6 +61,7 @@ STYLE = {
     "done": "green",
     "starting": "yellow",
     "outdated": "yellow",
+    "rolled back": "yellow",
     "restarting": "yellow",
     "waiting": "cyan",
     "stopped": "dim",

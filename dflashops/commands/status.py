@@ -18,12 +18,22 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from dflashops.agent.answers import HostFacts, SupervisorState, UnitFacts, UnitProbe
-from dflashops.changes.identity import ISO, iso
+from dflashops.agent import history_actions
+from dflashops.agent.answers import HostFacts, UnitFacts, UnitProbe
+from dflashops.agent.history_actions import RolledUnit
+from dflashops.changes.history import rolled_back
+from dflashops.changes.identity import iso
 from dflashops.changes.orphans import Orphan
 from dflashops.changes.verdicts import health_text, probe_spec
 from dflashops.commands.common import Target, prepare
 from dflashops.commands.states import STYLE
+from dflashops.commands.status_rows import LastExit as LastExit
+from dflashops.commands.status_rows import last_exit as last_exit
+from dflashops.commands.status_rows import restarts_of as restarts_of
+from dflashops.commands.status_rows import run_since as run_since
+from dflashops.commands.status_rows import run_time as run_time
+from dflashops.commands.status_rows import seconds_since as seconds_since
+from dflashops.commands.status_rows import text_or_none
 from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.inventory import Host
 from dflashops.engines import identity
@@ -36,7 +46,6 @@ from dflashops.lifecycle.session import HostSession
 from dflashops.output import duration, escape, inert, some
 
 DOCUMENT_SCHEMA = 1  # of the --json document: raised when a field changes meaning or goes away
-REASONS = {"liveness": "liveness failed", "stop": "stopped"}  # why an exit happened, as shown
 UNREACHABLE = "unreachable"  # a host's row when it did not answer
 
 # -- one unit, as a row sees it ------------------------------------------------------------------
@@ -65,84 +74,6 @@ class Seen:
         if rec is None:
             return cls(name, None, None, (), None)
         return cls(name, rec.kind, rec.port, tuple(rec.gpus), rec.engine)
-
-
-@dataclass(frozen=True)
-class LastExit:
-    """How a unit's process last ended: its exit record, else its supervisor's last crash."""
-
-    code: int | None
-    signal: str | None
-    time: str | None  # ISO-8601 UTC, the host's clock
-    reason: str | None  # liveness | stop | None
-
-    def text(self, now: float) -> str:
-        """`code 137 (SIGKILL) 3m05s ago`, `code 1 4s ago`."""
-        why = ", ".join(w for w in (self.signal, REASONS.get(self.reason or "")) if w)
-        ago = seconds_since(self.time, now)
-        return (
-            (f"code {self.code}" if self.code is not None else "no exit code")
-            + (f" ({why})" if why else "")
-            + (f" {duration(ago)} ago" if ago is not None else "")
-        )
-
-    def as_json(self) -> dict[str, Any]:
-        return {"code": self.code, "signal": self.signal, "time": self.time, "reason": self.reason}
-
-
-def last_exit(uf: UnitFacts | None) -> LastExit | None:
-    """Kept from a crash through the restart that follows (exit is rewritten only by the next
-    exit, and removed only by a new start from a deploy)."""
-    if uf is None:
-        return None
-    rec = uf.exit
-    if rec is not None and (rec.code is not None or rec.signal is not None):
-        reason = "stop" if uf.stopped is not None else rec.reason
-        return LastExit(rec.code, rec.signal, rec.finished_at, reason)
-    # An exit record that is unreadable: the supervisor's history says the same (host data).
-    crashes = [h for h in (uf.supervisor.history if uf.supervisor else []) if "code" in h]
-    if not crashes:
-        return None
-    h = crashes[-1]
-    code = h.get("code")
-    return LastExit(
-        code if isinstance(code, int) and not isinstance(code, bool) else None,
-        text_or_none(h.get("signal")),
-        text_or_none(h.get("at")),
-        text_or_none(h.get("reason")),
-    )
-
-
-def text_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) else None
-
-
-def restarts_of(supervisor: SupervisorState | None, running: bool) -> int:
-    """Restarts its supervisor began: one under way (a backoff, the wait for GPU memory)
-    counts, so the column and `restart N` in the health text say the same number."""
-    if supervisor is None:
-        return 0
-    return supervisor.restarts + (1 if running and supervisor.restarting else 0)
-
-
-def run_since(started_at: str | None, supervisor: SupervisorState | None) -> str | None:
-    """When the unit's current run began: its supervisor's start of it (a restart begins a new
-    run, so uptime and the last exit agree), else the start its pid record holds."""
-    if supervisor is not None and supervisor.state == "running" and supervisor.since:
-        return supervisor.since
-    if supervisor is not None and supervisor.restarting:
-        return None  # between two runs
-    return started_at
-
-
-def seconds_since(iso: str | None, now: float) -> int | None:
-    if not iso:
-        return None
-    try:
-        then = datetime.strptime(iso, ISO).replace(tzinfo=timezone.utc).timestamp()
-    except ValueError:
-        return None
-    return max(0, int(now - then))
 
 
 # -- states ----------------------------------------------------------------------------------------
@@ -180,6 +111,17 @@ def state_of(
     return "ready", health
 
 
+def rolled_state(
+    got: tuple[str, str], rolled: dict[str, RolledUnit], name: str, uf: UnitFacts | None
+) -> tuple[str, str]:
+    """`outdated` is `rolled back` while the unit runs the kept revision a rollback put back."""
+    revision = rolled_back(rolled, name, uf.fingerprint if uf is not None else None)
+    if got[0] != "outdated" or revision is None:
+        return got
+    health = "" if got[1] == "-" else f"; {got[1]}"
+    return "rolled back", f"revision {revision}, playbooks differ{health}"
+
+
 def process_state(kind: str | None, uf: UnitFacts | None, now: float) -> tuple[str, str] | None:
     """(state, health) from the unit's records and process alone; None when it runs and no
     restart is under way (then its probe and its rendering say more)."""
@@ -203,16 +145,6 @@ def process_state(kind: str | None, uf: UnitFacts | None, now: float) -> tuple[s
             return ("done" if uf.exit.code == 0 else "failed"), outcome
         return "dead", outcome
     return ("stopped" if uf.pid is None else "dead"), "-"
-
-
-def run_time(uf: UnitFacts) -> str:
-    if uf.pid is None or not uf.pid.started_at or uf.exit is None or not uf.exit.finished_at:
-        return ""
-    try:
-        began, ended = (datetime.strptime(t, ISO) for t in (uf.pid.started_at, uf.exit.finished_at))
-    except ValueError:
-        return ""
-    return duration((ended - began).total_seconds())
 
 
 def failed_units(names: list[str], facts: HostFacts) -> list[str]:
@@ -483,13 +415,16 @@ def status(
     return 2 if bad else 0
 
 
-Look = tuple[HostFacts, dict[str, UnitProbe], dict[str, str], list[Orphan]]
+# facts, probes, failed units' log ends, orphans, units a rollback put on a kept revision
+Look = tuple[HostFacts, dict[str, UnitProbe], dict[str, str], list[Orphan], dict[str, RolledUnit]]
 
 
 def look_at(session: HostSession, seen: HostMemory, from_records: bool = False) -> Look:
     """One host's facts (then compared with ``seen``, and kept there), its services' probes, its
     failed units' log ends; ``from_records``: of the units no playbook renders too (not probed)."""
+    rolled: dict[str, RolledUnit] = {}
     try:
+        history_actions.rolled_ahead(session.agent, session.workdir, rolled.update)
         facts = session.gather()
         seen.look(session, facts)
         probed = [
@@ -507,7 +442,7 @@ def look_at(session: HostSession, seen: HostMemory, from_records: bool = False) 
             name: session.agent.tail(facts.workdir, name, lines=10).text
             for name in failed_units(names, facts)
         }
-        return facts, probes, tails, session.orphans
+        return facts, probes, tails, session.orphans, rolled
     finally:
         session.close()
 
@@ -519,7 +454,9 @@ def collect(target: Target, outcomes: dict[str, Outcome[Look]], memory: Memory) 
     for name, outcome in outcomes.items():
         if outcome.value is None:
             continue
-        facts, probes, tails, orphans = outcome.value
+        # A look of four parts (no history asked) is taken as one with nothing rolled back.
+        facts, probes, tails, orphans, *more = outcome.value
+        rolled = more[0] if more else {}
         for o in orphans:
             rows.append(
                 Row(
@@ -541,7 +478,7 @@ def collect(target: Target, outcomes: dict[str, Outcome[Look]], memory: Memory) 
             uf = facts.unit(s.name)
             metrics = probe.metrics if probe else None
             reading = memory.read(f"{name}/{s.name}", s.engine or "", metrics, facts.time)
-            state, health = state_of(s, uf, probe, facts.time)
+            state, health = rolled_state(state_of(s, uf, probe, facts.time), rolled, s.name, uf)
             source = "playbook" if s.rendered is not None else "host record"
             rows.append(
                 Row(name, s, uf, facts, state, health, source, probe, reading, tails.get(s.name))

@@ -352,6 +352,58 @@ COMMANDS: tuple[Command, ...] = (
         touches_hosts=True,
     ),
     Command(
+        "history",
+        "what was deployed where, when and by whom: each host's revisions, newest first",
+        "dflashops.commands.history:history",
+        (
+            *SELECTION,
+            units("the revisions that changed these alone"),
+            FORKS,
+            Option(
+                "json_path",
+                ("--json",),
+                "the revisions as one JSON document: on stdout with `-`, else written to FILE",
+                metavar="FILE",
+            ),
+        ),
+        details=(
+            "Every deploy, restart-servers, stop and rollback that changed units is recorded on\n"
+            "the host (WORKDIR/history/): revision, UTC time, who (user@machine), the command\n"
+            "(secrets redacted), the units it changed and their fingerprints. The scripts of the\n"
+            "last 10 revisions are kept: `dflashops rollback --to REV` goes back to one of them."
+        ),
+        touches_hosts=True,
+    ),
+    Command(
+        "rollback",
+        "restart a host's units on a kept revision's scripts (default: the previous one), verified",
+        "dflashops.commands.history:rollback",
+        (
+            INVENTORY,
+            NAMED_HOSTS,
+            PLAYBOOKS,
+            Option(
+                "to",
+                ("--to",),
+                "the revision to go back to (`dflashops history` lists them; default: the one "
+                "before the newest)",
+                kind="int",
+                metavar="REV",
+            ),
+            units("roll these back alone (default: every unit whose script differs)"),
+            *FLEET,
+            LOCK_WAIT,
+        ),
+        details=(
+            "Under the host's deploy lock (refused, naming the holder, when another actor holds\n"
+            "it): the units whose kept script of that revision differs from what they have are\n"
+            "stopped, put back on it, started and verified (readiness and identity) like a\n"
+            "deploy, and the rollback is recorded as a revision. `status` shows them as\n"
+            "`rolled back` until the next deploy, which says first what it re-applies."
+        ),
+        touches_hosts=True,
+    ),
+    Command(
         "fetch",
         "copy a host path to the controller, verified (sha256) and resumable",
         "dflashops.commands.fetch:fetch",
@@ -405,6 +457,59 @@ COMMANDS: tuple[Command, ...] = (
                 "address, port, user, workdir, gpus, python, provider and vars; groups",
                 kind="bool",
                 default=False,
+            ),
+        ),
+    ),
+    Command(
+        "dashboard",
+        "the fleet on one web page: units, jobs, events, log ends, plots over time, /metrics",
+        "dflashops.commands.dashboard:dashboard",
+        (
+            *SELECTION,
+            Option(
+                "listen",
+                ("--listen",),
+                "ADDRESS:PORT to serve on; beyond loopback (127.0.0.0/8, ::1) --token is required",
+                default="127.0.0.1:8765",
+                metavar="ADDRESS:PORT",
+            ),
+            Option(
+                "token",
+                ("--token",),
+                "env:NAME: every request must carry the token in NAME (Authorization: Bearer, "
+                "or ?token= once: a cookie)",
+                metavar="env:NAME",
+            ),
+            Option("interval", ("--interval",), "time between looks at the fleet", default="2s"),
+            Option(
+                "keep",
+                ("--keep",),
+                "samples kept this long in .dflashops/samples.sqlite (7d, 12h)",
+                default="7d",
+                metavar="DURATION",
+            ),
+            FORKS,
+        ),
+        details=(
+            "Every --interval one probe per host over sessions kept open (what `top` does),\n"
+            "kept in .dflashops/samples.sqlite beside the inventory. The page updates itself at\n"
+            "the same pace, works offline (plots drawn by the server), and /metrics serves the\n"
+            "fleet's own series: dflashops_unit_up, dflashops_unit_restarts_total,\n"
+            "dflashops_job_progress_ratio, dflashops_host_reachable. Ctrl-C stops it."
+        ),
+        touches_hosts=True,
+    ),
+    Command(
+        "prometheus-targets",
+        "every engine's own /metrics as a Prometheus file_sd_configs file (host, unit, engine)",
+        "dflashops.commands.prometheus:prometheus_targets",
+        (
+            *SELECTION,
+            Option(
+                "out_path",
+                ("--out",),
+                "write it to FILE, whole, at once (default: stdout)",
+                metavar="FILE",
             ),
         ),
     ),

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from dflashops.config.inventory import StrictModel
+from dflashops.config.job_metrics import JobMetrics
 from dflashops.config.nodestate import Environment, FileEntry
 from dflashops.config.types import (
     FLAG_RE,
@@ -511,6 +512,10 @@ class Job(UnitBase):
     ] = 29500
     keep: Annotated[
         Keep | None, Field(description="Outputs mirrored off the node, restored before a start.")
+    ] = None
+    metrics: Annotated[
+        JobMetrics | None,
+        Field(description="Its own numbers to plot: {log: REGEX} (named groups) or {file: PATH}."),
     ] = None
 
     _args = field_validator("args")(_check_args)

@@ -15,12 +15,18 @@ import difflib
 import hashlib
 import json
 import posixpath
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflashops.agent import history_actions
 from dflashops.agent.answers import HostFacts
+from dflashops.agent.history_actions import RolledUnit
+from dflashops.agent.lock import holder
 from dflashops.agent.lock import take as hold_lock
 from dflashops.agent.remote import layout
+from dflashops.changes.history import command_line, reapplies
 from dflashops.changes.orphans import ways_out
 from dflashops.changes.units import Change, describe_state, plan_changes
 from dflashops.changes.verdicts import (
@@ -34,6 +40,7 @@ from dflashops.changes.verdicts import (
 )
 from dflashops.engines.render import Rendered
 from dflashops.engines.secrets import files as secret_files
+from dflashops.errors import DflashopsError
 from dflashops.lifecycle import keep
 from dflashops.lifecycle.memory import HostMemory
 from dflashops.lifecycle.ready import Readiness
@@ -61,6 +68,10 @@ class HostRun(Readiness):
         super().__post_init__()
         self.stage: Stage | None = None
         self.restored: set[str] = set()  # kept jobs whose outputs were put back before start
+        # What this run changed (unit -> the fingerprint it runs now), for its revision in the
+        # host's history; and the units a rollback put on a kept revision (asked with facts).
+        self.changed: dict[str, str | None] = {}
+        self.rolled: dict[str, RolledUnit] = {}
 
     # -- deploy ----------------------------------------------------------------------------
 
@@ -71,6 +82,7 @@ class HostRun(Readiness):
             self._deploy()
         finally:
             self.opts.spans.end(self.spans, self.host.name)
+            self.record("deploy")
 
     def take_lock(self, command: str) -> None:
         """The host's deploy lock, held by this run's agent session until close() (one actor
@@ -89,11 +101,13 @@ class HostRun(Readiness):
         apply = not self.opts.check
         if apply:  # a plan changes nothing: it needs no lock
             self.take_lock("deploy")
+        history_actions.rolled_ahead(self.agent, self.workdir, self.rolled.update)
         facts = self.gather(probe=True, rerun=self.opts.rerun)
         if apply:  # the lock just gave a new node its id: remember it, or status warns after
             self._remember(facts)
         self._orphans(prune=apply and self.opts.prune)
         changes = self._decide(facts)
+        self._reapply(changes, facts)
         if apply:
             self._apply(changes, facts)
         else:
@@ -101,6 +115,41 @@ class HostRun(Readiness):
                 status = "ok" if c.action == "ok" else "changed"
                 self.emit(c.name, status, "plan", f"{PLAN_VERBS[c.action]} ({c.reason})")
             keep.before_start(self, self.state_dir, [c for c in changes if c.runs_after])
+
+    def _reapply(self, changes: list[Change], facts: HostFacts) -> None:
+        """Say first which units a rollback left on a kept revision this deploy puts back on
+        the playbooks' rendering (DESIGN fleet-page 4)."""
+        running = {n: uf.fingerprint for n, uf in facts.units.items()}
+        named = reapplies(self.rolled, running, [c.name for c in changes if c.action != "ok"])
+        if named:
+            verb = "would re-apply" if self.opts.check else "re-applies"
+            self.emit(
+                None,
+                "info",
+                "history",
+                f"{verb} the playbooks to what `dflashops rollback` left: {', '.join(named)}",
+            )
+
+    def record(self, command: str, rollback_to: int | None = None) -> None:
+        """The host's revision for what this run changed (none when nothing did), made while
+        the run still holds the deploy lock; one call. A failure to record is said, and the
+        run's outcome stands."""
+        if not self.changed or self.opts.check:
+            return
+        line = command_line(sys.argv, command, self.events.redact)
+        try:
+            revision = history_actions.record(
+                self.agent,
+                self.workdir,
+                line,
+                str(holder(command)["who"]),
+                dict(self.changed),
+                rollback_to,
+            )
+        except DflashopsError as exc:
+            self.emit(None, "info", "history", f"no revision recorded on this host: {exc}")
+            return
+        self.emit(None, "info", "history", f"recorded as revision {revision}", revision=revision)
 
     def _decide(self, facts: HostFacts) -> list[Change]:
         """What each unit needs, after its environments and files entries (which stage.py
@@ -254,6 +303,7 @@ class HostRun(Readiness):
             self.emit(None, "changed", "ship", f"shipped {f.name} ({f.sha256[:12]})")
         for c in changes:
             if c.action == "ship":
+                self.changed[c.name] = c.rendered.fingerprint
                 self.emit(
                     c.name,
                     "changed",
@@ -314,6 +364,7 @@ class HostRun(Readiness):
                 self.fail(c.name, "start", f"start failed: {res.error if res else 'no answer'}")
                 continue
             verb = "restarted" if c.action == "restart" else "started"
+            self.changed[c.name] = c.rendered.fingerprint
             old = c.old_fingerprint
             detail = (
                 f"fingerprint {old[:12]} -> {c.rendered.short}"
@@ -329,6 +380,24 @@ class HostRun(Readiness):
                 log=res.log,
             )
 
+    def put_back(self, changes: list[Change], restore: Callable[[list[str]], None]) -> None:
+        """Rollback's entry point: stop ``changes``' units, put their files back (``restore``
+        with the names whose stop went well), then start and verify them as a deploy does."""
+        self._stop([c for c in changes if c.action == "restart"])
+        going = [c for c in changes if c.name not in self.failed]
+        if not going:
+            return
+        restore([c.name for c in going])
+        self._start(going)
+        self._wait_ready(
+            [
+                c.rendered
+                for c in going
+                if c.rendered.unit.kind == "service" and c.name not in self.failed
+            ],
+            {c.name: c for c in going},
+        )
+
     # -- restart-servers and stop ---------------------------------------------------------
 
     def restart_services(self, rolling: bool) -> None:
@@ -342,6 +411,7 @@ class HostRun(Readiness):
             self._restart_services(rolling)
         finally:
             self.opts.spans.end(self.spans, self.host.name)
+            self.record("restart-servers")
 
     def _remember(self, facts: HostFacts) -> None:
         memory = HostMemory.at(self.state_dir)
@@ -414,7 +484,9 @@ class HostRun(Readiness):
             if res is None or not res.ok:
                 self.fail(name, "stop", f"stop incomplete: {stop_problem(res)}")
                 continue
+            self.changed[name] = uf.fingerprint if (uf := facts.unit(name)) else None
             self.emit(name, "changed", "stop", f"stopped ({stopped_text(res)}; logs kept)")
+        self.record("stop")
         # Kept jobs are mirrored once more, all their output written by now.
         keep.after(self, self.state_dir, [r.unit for r in self.rendered if r.unit.name in order])
 
@@ -452,6 +524,7 @@ class HostRun(Readiness):
                 self.fail(o.name, "prune", f"orphan not pruned: {stop_problem(res)}")
                 continue
             how = stopped_text(res) if res.was_running else "was not running"
+            self.changed[o.name] = o.facts.fingerprint
             self.emit(
                 o.name,
                 "changed",

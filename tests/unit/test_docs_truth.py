@@ -1,14 +1,18 @@
 """The README and docs/ against the code: links resolve, every `dflashops COMMAND --flag` they
 show is a command and a flag of it, every repo path they name exists, the inventories they show
-load, and the statements issue 21 found false stay true (replica names in `needs`, the states
-table against `status --help`, the `status --json` fields table against the document, the
-install requirements, the INCIDENTS.md citations)."""
+load (provider inventories too), and the statements issue 21 found false stay true (replica
+names in `needs`, the states table against `status --help`, the `status --json` fields table
+against the document, the install requirements, the INCIDENTS.md citations). Issue 22's
+reference tables follow the code: `keep` and `providers` fields against their models, the
+`inventory --list` fields against its document, watch's notices and the fields each carries,
+the words watch's lines use, the identity words of `status --json`."""
 
 from __future__ import annotations
 
 import io
 import json
 import re
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +22,17 @@ import pytest
 import yaml
 from rich.console import Console
 
-from dflashops.commands import status
+from dflashops.changes import watch
+from dflashops.changes.identity import IDENTITIES
+from dflashops.commands import inventory, status
 from dflashops.commands.states import LEGEND
 from dflashops.commands.table import COMMANDS, Command, Option
+from dflashops.config.inventory import HostSettings, HostSpec, Providers, ProviderSpec
 from dflashops.config.load import load_inventory, load_playbook
+from dflashops.config.playbook import Keep
+from dflashops.config.providers import Endpoint
 from dflashops.errors import ConfigError
+from dflashops.lifecycle.notices import EVENTS
 from dflashops.plan import build_plan
 from tests.conftest import REPO, WriteTree
 from tests.unit.test_status_json import RESTARTED, judged, uf
@@ -31,6 +41,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PLAYBOOKS = sorted((REPO / "playbooks").glob("*.yaml"))
 INCIDENTS = REPO / "docs" / "INCIDENTS.md"
 OPERATIONS = REPO / "docs" / "operations.md"
+REFERENCE = REPO / "docs" / "playbook-reference.md"
 # Shown on purpose with a flag the command lacks: what a wrong flag prints (operations guide).
 WRONG_ON_PURPOSE = frozenset({"dflashops deploy --bogus"})
 # Written in backticks but not a path of this repository.
@@ -274,23 +285,27 @@ def yaml_blocks(path: Path) -> Iterator[tuple[int, str]]:
 
 
 def test_every_whole_inventory_the_docs_show_loads(tmp_path: Path) -> None:
-    """A yaml block with `hosts:` as a mapping of hosts is an inventory: it must load."""
+    """A yaml block with `hosts:` as a mapping of hosts is an inventory: it must load (a
+    provider inventory too: loading it asks no API)."""
     checked = []
+    providers = []
     for path in DOCS:
         for start, text in yaml_blocks(path):
             data = yaml.safe_load(text)
             if not isinstance(data, dict) or not isinstance(data.get("hosts"), dict):
                 continue
-            if "providers" in data:  # provider inventories come with `watch` (DESIGN.md)
-                continue
             file = tmp_path / f"{path.stem}-{start}.yaml"
             file.write_text(text)
             try:
-                load_inventory(file)
+                inv = load_inventory(file)
             except ConfigError as exc:
                 pytest.fail(f"{path.relative_to(REPO)}:{start}: {exc}")
             checked.append(f"{path.name}:{start}")
+            if any(h.provider is not None for h in inv.hosts.values()):
+                providers.append(path.name)
     assert any(c.startswith("README.md") for c in checked), checked
+    assert {"README.md", "playbook-reference.md"} <= set(providers), providers
+    assert not (tmp_path / ".dflashops").exists()  # nothing was asked of a provider
 
 
 def test_install_section_matches_pyproject() -> None:
@@ -399,3 +414,81 @@ def test_the_status_json_table_has_every_field_of_the_document(tmp_path: Path) -
             if isinstance(inner, dict):
                 row = rows[f"units[].{key}"]
                 assert [k for k in inner if f"`{k}`" not in row] == [], row
+
+
+# -- issue 22: keep, providers, inventory --list, watch --------------------------------------
+
+
+def test_the_keep_and_provider_tables_have_every_field_of_their_models() -> None:
+    keep = table_keys(section(REFERENCE, "### `keep`: outputs kept off the node"))
+    assert keep == list(Keep.model_fields)
+    providers = section(REFERENCE, "### `providers`: hosts named by their pod")
+    assert sorted(table_keys(providers)) == sorted(
+        [*Providers.model_fields, *ProviderSpec.model_fields]
+    )
+    host_only = table_keys(section(REFERENCE, "### Host-only fields"))
+    assert sorted(host_only) == sorted(set(HostSpec.model_fields) - set(HostSettings.model_fields))
+
+
+def test_the_inventory_list_table_has_every_field_of_its_document(tmp_path: Path) -> None:
+    """The rows of the `--list` table against what `inventory --list` prints for a pod host and
+    a host with an address (the document built as the command builds it; no API is asked)."""
+    path = tmp_path / "inventory.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "providers": {"runpod": {"api_key": "env:NO_SUCH_KEY", "api_url": "http://x/v1"}},
+                "hosts": {"pod": {"runpod": {"pod": "gen"}}, "fixed": {"address": "10.0.0.5"}},
+                "groups": {"gpu": {"hosts": ["pod", "fixed"], "vars": {"model": "/m"}}},
+            }
+        )
+    )
+    inv = load_inventory(path)
+    where = Endpoint("203.0.113.50", 40123, "pod-1", "RUNNING")
+    seen = {
+        "pod": inventory.Seen(inv.hosts["pod"], endpoint=where),
+        "fixed": inventory.Seen(inv.hosts["fixed"]),
+    }
+    doc = inventory.listing(inv, seen)
+    table = section(REFERENCE, "### `dflashops inventory`")
+    rows = {key: line for line in table.splitlines() for key in table_keys(line)}
+    fields = {f"hosts.NAME.{k}" for entry in doc["hosts"].values() for k in entry}
+    fields |= {f"groups.NAME.{k}" for group in doc["groups"].values() for k in group}
+    assert sorted(fields) == sorted(rows)
+    provider = doc["hosts"]["pod"]["provider"]
+    assert [k for k in provider if f"`{k}`" not in rows["hosts.NAME.provider"]] == []
+    assert doc["hosts"]["fixed"]["provider"] is None and provider["pod_id"] == "pod-1"
+
+
+def notice_fields() -> dict[str, list[str]]:
+    """Each notice watch sends and the fields it carries, as changes/watch.py writes them."""
+    source = (REPO / "dflashops" / "changes" / "watch.py").read_text()
+    found = re.findall(r'Notice\(\s*"(\w+)",\s*\{([^}]*)\}', source)
+    return {event: re.findall(r'"(\w+)":', body) for event, body in found}
+
+
+def test_the_notices_table_names_every_notice_and_its_fields() -> None:
+    fields = notice_fields()
+    assert sorted(fields) == sorted(EVENTS), "a notice changes/watch.py sends is not in EVENTS"
+    table = section(OPERATIONS, "### Notices")
+    rows = {key: line for line in table.splitlines() for key in table_keys(line)}
+    assert sorted(rows) == sorted(EVENTS)
+    for event, keys in fields.items():
+        assert keys and [k for k in keys if f"`{k}`" not in rows[event]] == [], rows[event]
+    for why in ("drift", "rebooted", "re-provisioned", "crashed"):  # redeployed's why
+        assert f"`{why}`" in rows["redeployed"]
+
+
+def test_the_watch_section_explains_every_word_its_lines_use() -> None:
+    text = " ".join(section(OPERATIONS, "## `dflashops watch`").split())
+    words = typing.get_args(watch.Word)
+    said = {w: watch.LABELS.get(w, w) for w in words if w not in ("running", "done")}
+    assert [label for label in said.values() if f"`{label}`" not in text] == []
+    assert watch.SPANS in text
+    assert watch.refusal(60.0, 30.0) in text
+
+
+def test_the_identity_words_are_the_ones_status_json_gives() -> None:
+    table = section(OPERATIONS, "### `status --json`")
+    [row] = [line for line in table.splitlines() if line.startswith("| `hosts[].identity` |")]
+    assert [word for word in IDENTITIES if f"`{word}`" not in row] == []

@@ -225,6 +225,9 @@ def test_verbose_is_on_every_command_that_touches_hosts() -> None:
         "unlock",
         "fetch",
         "watch",
+        "dashboard",
+        "history",
+        "rollback",
     }
     for name in touching:
         assert argparse_kwargs([name, *required(name), "-v"])["verbose"] is True

@@ -14,6 +14,9 @@ controller imports this module (stdlib, imports nothing) to name the same files.
                                         written on the host (start, supervisor, stop)
         logs/current.log                -> the unit's current timestamped log
       units/.pruned/<unit>-<stamp>/     folders ``stop --prune`` moved aside
+      history/<rev>/revision.json       one per deploy, restart-servers, stop, rollback (``history``)
+      history/<rev>/units/<unit>/       that revision's launch.sh and unit.json (the last 10)
+      history/rolled.json               units a rollback put on a kept revision
 
 ``unit.json`` says what a unit is (name, fingerprint, engine, port, GPUs, stop grace, supervise
 policy, the content it runs on); ``UNIT_SCHEMA`` is its format's number, written into it as
@@ -45,6 +48,10 @@ LOCK_HOLDER = "deploy.holder.json"
 NOTIFY = "notify.json"
 PAYLOADS = "payloads"
 ENVS = "envs"
+HISTORY = "history"
+REVISION = "revision.json"
+ROLLED = "rolled.json"  # under history/
+KEPT_SCRIPTS = (LAUNCH, UNIT_RECORD)  # what a revision keeps of each unit
 
 
 def unit_dir(workdir: str, name: str) -> str:
@@ -63,3 +70,7 @@ def payload(sha256: str, name: str) -> str:
 
 def env_dir(workdir: str, env: str) -> str:
     return posixpath.join(workdir, ENVS, env)
+
+
+def revision_dir(workdir: str, revision: int) -> str:
+    return posixpath.join(workdir, HISTORY, str(revision))

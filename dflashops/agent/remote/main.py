@@ -40,6 +40,8 @@ SERVED = (
     "wait",
     "lock",
     "engine_args",
+    "history",
+    "job_metrics",
 )
 ACTIONS = (
     "facts",
@@ -58,6 +60,8 @@ ACTIONS = (
     "lock",
     "engine_args",
     "keep",
+    "history",
+    "job_metrics",
 )
 
 
