@@ -16,11 +16,18 @@ from typing import Any
 
 from rich.console import Console
 
+from dflashops.agent.answers import HostFacts
 from dflashops.changes.watch import HEALS, Settings, Step, refusal
 from dflashops.commands.common import prepare
 from dflashops.commands.deploy import node_used
+from dflashops.commands.status import Seen, state_of
+from dflashops.commands.status_rows import restarts_of
 from dflashops.commands.table import DEFAULT_FORKS
 from dflashops.config.types import parse_duration
+from dflashops.dashboard.sample import HostSample, Sample, UnitSample, changes, progress
+from dflashops.dashboard.store import FILE as STORE_FILE
+from dflashops.dashboard.store import Store
+from dflashops.engines.render import Rendered
 from dflashops.errors import DflashopsError
 from dflashops.events import EventLog
 from dflashops.lifecycle.keep import state_dir
@@ -53,7 +60,7 @@ def watch(
     loader = Loader(out, path, hosts, playbooks)
     events = EventLog(out, json_path)
     watcher = Watcher(loader.load(), settings, forks, events, HostMemory(path))
-    loop = Loop(events, watcher, sources, loader)
+    loop = Loop(events, watcher, sources, loader, Samples(path, events))
     try:
         return loop.once() if once else loop.forever()
     except KeyboardInterrupt:
@@ -61,6 +68,8 @@ def watch(
         return 0
     finally:
         watcher.close()
+        if loop.samples is not None:
+            loop.samples.close()
         events.close()
 
 
@@ -140,8 +149,76 @@ class Sources:
         return names
 
 
+class Samples:
+    """What watch sees, kept for the dashboard's plots in the same file (DESIGN: samples are
+    written by `dashboard` and by `watch`): after each tick, one sample of every host from its
+    last facts call. Watch probes nothing, so servers are `running` (not `ready`) and have no
+    tok/s; states, restarts and job progress are what the page plots from it."""
+
+    def __init__(self, inventory: Path, events: EventLog) -> None:
+        self.events = events
+        self.store: Store | None = None
+        try:
+            self.store = Store(state_dir(inventory) / STORE_FILE)
+        except OSError as exc:
+            events.console.print(f"[yellow]WARN[/] samples not kept: {escape(str(exc))}")
+        self.last: Sample | None = None
+
+    def add(self, watcher: Watcher) -> None:
+        if self.store is None:
+            return
+        hosts, units = [], []
+        for name in watcher.histories:
+            seen = watcher.seen.get(name)
+            if seen is None:
+                hosts.append(HostSample(name, "unreachable"))
+                continue
+            hosts.append(HostSample(name, "ok"))
+            rendered, facts = seen
+            units += [unit_sample(name, r, facts) for r in rendered]
+        sample = Sample(time.time(), hosts, units)
+        self.store.add(sample, changes(self.last, sample))
+        self.last = sample
+        for note in self.store.notes:
+            self.events.console.print(f"[yellow]WARN[/] {escape(note)}")
+        self.store.notes.clear()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def unit_sample(host: str, r: Rendered, facts: HostFacts) -> UnitSample:
+    uf = facts.unit(r.unit.name)
+    state, _ = state_of(Seen.of(r), uf, None, facts.time)
+    restarts = restarts_of(uf.supervisor, uf.running) if uf is not None else 0
+    prog = uf.progress if uf is not None and uf.progress else {}
+    done = progress(prog)
+    return UnitSample(
+        host,
+        r.unit.name,
+        r.unit.kind,
+        r.unit.engine,
+        state,
+        restarts=restarts,
+        done=done.get("done"),
+        total=done.get("total"),
+        rate=done.get("rate"),
+        eta=done.get("eta"),
+        failed=done.get("failed"),
+    )
+
+
 class Loop:
-    def __init__(self, events: EventLog, watcher: Watcher, sources: Sources, loader: Loader):
+    def __init__(
+        self,
+        events: EventLog,
+        watcher: Watcher,
+        sources: Sources,
+        loader: Loader,
+        samples: Samples | None = None,
+    ):
+        self.samples = samples
         self.events = events
         self.console = events.console
         self.watcher = watcher
@@ -160,6 +237,8 @@ class Loop:
                 got = self.watcher.act(name, got, wait=True) or got
             self.report(name, got, show=True)
             bad = bad or got.status in ("failed", "unreachable")
+        if self.samples is not None:
+            self.samples.add(self.watcher)
         return 2 if bad else 0
 
     def forever(self) -> int:
@@ -181,6 +260,8 @@ class Loop:
             if got.start or got.mirror:
                 self.watcher.act(name, got)
             self.report(name, got)
+        if self.samples is not None:
+            self.samples.add(self.watcher)
         self.ticks += 1
         if self.ticks % HEARTBEAT == 0:
             self.heartbeat()

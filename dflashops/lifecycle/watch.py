@@ -130,6 +130,9 @@ class Watcher:
         self.stale: set[str] = set()  # hosts whose session goes once their work ends
         self.pool = ThreadPoolExecutor(max_workers=max(1, forks), thread_name_prefix="act")
         self.notices: dict[str, Notices] = {}
+        # Each host's last answer (its rendered units, its facts): the samples the dashboard
+        # plots are made from it (commands/watch.py); a failed call forgets it.
+        self.seen: dict[str, tuple[list[Rendered], HostFacts]] = {}
         self.declared = declared
         self.retarget(declared)
 
@@ -236,6 +239,7 @@ class Watcher:
             self.drop(host.name)
             return Looked(failure=f"internal error ({type(exc).__name__}: {exc})")
         self._remember(session, facts)
+        self.seen[host.name] = (session.rendered, facts)
         return looked_at(session.rendered, facts, recorded=self.converge is not None)
 
     def _remember(self, session: HostSession, facts: HostFacts) -> None:
@@ -265,6 +269,7 @@ class Watcher:
         return session
 
     def drop(self, name: str) -> None:
+        self.seen.pop(name, None)
         session = self.sessions.pop(name, None)
         if session is not None:
             session.agent.close()

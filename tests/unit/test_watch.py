@@ -322,3 +322,24 @@ def test_notices_go_to_the_hosts_webhook_and_its_url_is_never_shown(
     assert notice["time"].endswith("Z")
     shown = capsys.readouterr().out + events.read_text()
     assert "started gen again" in shown and "T0K3N-w4tch" not in shown
+
+
+def test_watch_keeps_samples_for_the_dashboard(
+    deployed: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Samples are written by `dashboard` and by `watch` (DESIGN "The fleet on one page"):
+    each tick's facts become one sample in .dflashops/samples.sqlite, the dashboard's file."""
+    from dflashops.dashboard.store import FILE, Store
+
+    assert once(deployed, capsys)[0] == 0
+    kill_with_supervisor(tmp_path)
+    assert once(deployed, capsys)[0] == 0  # it saw gen gone (and started it again)
+    store = Store(tmp_path / ".dflashops" / FILE)
+    try:
+        rows = store.db.execute(
+            "SELECT s.kind, p.state, p.restarts FROM points AS p JOIN series AS s"
+            " ON s.id = p.series WHERE s.host = 'local' AND s.unit = 'gen' ORDER BY p.t"
+        ).fetchall()
+    finally:
+        store.close()
+    assert [tuple(r) for r in rows] == [("job", "running", 0), ("job", "dead", 0)], rows
