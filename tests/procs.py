@@ -6,12 +6,14 @@ sys.path because tests/ is a package).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -159,3 +161,34 @@ def mode(path: Path) -> int:
     import stat as modes  # this module's own stat() reads /proc
 
     return modes.S_IMODE(path.lstat().st_mode)
+
+
+class Receiver:
+    """A local webhook: every POST body, parsed. Its URL ends in ``token``, a secret that no
+    output may show."""
+
+    def __init__(self, token: str = "T0K3N-abc") -> None:
+        self.notices: list[dict[str, Any]] = []
+        notices = self.notices
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                size = int(self.headers.get("Content-Length") or 0)
+                notices.append(json.loads(self.rfile.read(size)))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/{token}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def events(self, unit: str | None = None) -> list[str]:
+        return [n["event"] for n in self.notices if unit is None or n["unit"] == unit]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from dflashops.agent.answers import SupervisorState, UnitFacts
+from dflashops.agent.answers import ExitRecord, StoppedRecord, SupervisorState, UnitFacts
 from dflashops.changes.identity import ISO
 from dflashops.output import duration
 
@@ -40,14 +40,19 @@ class LastExit:
 def last_exit(uf: UnitFacts | None) -> LastExit | None:
     """Kept from a crash through the restart that follows (exit is rewritten only by the next
     exit, and removed only by a new start from a deploy)."""
-    if uf is None:
-        return None
-    rec = uf.exit
+    return None if uf is None else ended(uf.exit, uf.stopped, uf.supervisor)
+
+
+def ended(
+    rec: ExitRecord | None, stopped: StoppedRecord | None, supervisor: SupervisorState | None
+) -> LastExit | None:
+    """The last exit from a unit's exit, stopped and supervisor records, as facts and probes
+    both carry them: one rule for the status row and the dashboard."""
     if rec is not None and (rec.code is not None or rec.signal is not None):
-        reason = "stop" if uf.stopped is not None else rec.reason
+        reason = "stop" if stopped is not None else rec.reason
         return LastExit(rec.code, rec.signal, rec.finished_at, reason)
     # An exit record that is unreadable: the supervisor's history says the same (host data).
-    crashes = [h for h in (uf.supervisor.history if uf.supervisor else []) if "code" in h]
+    crashes = [h for h in (supervisor.history if supervisor else []) if "code" in h]
     if not crashes:
         return None
     h = crashes[-1]

@@ -18,11 +18,11 @@ from typing import Any
 
 from rich.console import Console
 
-from dflashops.agent.answers import GpuFacts, ProbeResult, ProbeSpec, UnitFacts, UnitProbe
+from dflashops.agent.answers import GpuFacts, ProbeResult, ProbeSpec, UnitProbe
 from dflashops.changes.verdicts import probe_spec
 from dflashops.commands.common import Target
 from dflashops.commands.status import Seen, recorded
-from dflashops.commands.status_rows import LastExit, last_exit, run_since
+from dflashops.commands.status_rows import LastExit, ended, run_since
 from dflashops.config.inventory import Host
 from dflashops.engines.metrics import Memory, Reading
 from dflashops.errors import DflashopsError
@@ -179,20 +179,9 @@ def unit_state(s: Seen, p: UnitProbe | None) -> str:
 
 
 def probe_last_exit(p: UnitProbe | None) -> LastExit | None:
-    """status.last_exit of a probe, which carries the exit, stopped and supervisor records as
+    """status' last exit of a probe, which carries the exit, stopped and supervisor records as
     facts do: one rule for the row and the page."""
-    if p is None:
-        return None
-    rec = p.exit
-    if rec is not None and (rec.code is not None or rec.signal is not None):
-        reason = "stop" if p.stopped is not None else rec.reason
-        return LastExit(rec.code, rec.signal, rec.finished_at, reason)
-    if p.supervisor is None or not p.supervisor.history:
-        return None
-    # Rare (an unreadable exit record): the supervisor's history, read by status' own rule.
-    # A model built without validation: 0.1 ms, too dear for every unit at every look.
-    records = UnitFacts.model_construct(exit=p.exit, stopped=p.stopped, supervisor=p.supervisor)
-    return last_exit(records)
+    return None if p is None else ended(p.exit, p.stopped, p.supervisor)
 
 
 def since(p: UnitProbe | None) -> str | None:

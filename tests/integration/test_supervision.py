@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -19,39 +17,9 @@ import pytest
 from fleet import FleetFactory
 from lifecycle_helpers import Ops, engine_pid, job, sglang, stub, unit_dir, unit_pid, unit_processes
 
-from tests.procs import alive, free_port, free_ports, wait_for
+from tests.procs import Receiver, alive, free_port, free_ports, wait_for
 
 FAST = {"initial": "1s", "max": "4s"}
-
-
-class Receiver:
-    """A local webhook: every POST body, parsed."""
-
-    def __init__(self) -> None:
-        self.notices: list[dict[str, Any]] = []
-        notices = self.notices
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                size = int(self.headers.get("Content-Length") or 0)
-                notices.append(json.loads(self.rfile.read(size)))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/T0K3N-abc"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def events(self, unit: str | None = None) -> list[str]:
-        return [n["event"] for n in self.notices if unit is None or n["unit"] == unit]
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
