@@ -10,6 +10,8 @@ stops the starting, not the looking.
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -61,12 +63,17 @@ def watch(
     events = EventLog(out, json_path)
     watcher = Watcher(loader.load(), settings, forks, events, HostMemory(path))
     loop = Loop(events, watcher, sources, loader, Samples(path, events))
+    # Under nohup or a service manager SIGINT may be ignored: SIGTERM ends it as Ctrl-C does.
+    main = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    before = signal.signal(signal.SIGTERM, interrupted) if main else None
     try:
         return loop.once() if once else loop.forever()
     except KeyboardInterrupt:
         events.console.print("watch stopped (Ctrl-C); a deploy under way stops between steps")
         return 0
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, before)
         watcher.close()
         if loop.samples is not None:
             loop.samples.close()
@@ -147,6 +154,10 @@ class Sources:
         names = sorted(n for n in {*now, *self.seen} if now.get(n) != self.seen.get(n))
         self.seen = now
         return names
+
+
+def interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 class Samples:

@@ -235,7 +235,7 @@ class SshConnection(BaseConnection):
         except (paramiko.SSHException, OSError, EOFError) as exc:
             raise HostError(
                 self.host,
-                f"connection to {self.where} lost while running {shorten(shell, 120)!r}: {exc or type(exc).__name__}",
+                f"connection to {self.where} lost while running {shown(shell)}: {exc or type(exc).__name__}",
             ) from None
         except BaseException:  # the sink refused what came (too large, unwritable): end it now
             if channel is not None:
@@ -246,7 +246,7 @@ class SshConnection(BaseConnection):
         if code == -1:
             raise HostError(
                 self.host,
-                f"connection to {self.where} lost: no exit status for {shorten(shell, 120)!r}",
+                f"connection to {self.where} lost: no exit status for {shown(shell)}",
             )
         return code, out, err
 
@@ -338,3 +338,9 @@ class SshConnection(BaseConnection):
 
     def close(self) -> None:
         self.fabric.close()
+
+
+def shown(shell: str) -> str:
+    """A command in a message: the agent's bootstrap (a page of Python) by name, anything else
+    quoted and shortened."""
+    return "the dflashops agent" if "<dflashops-agent>" in shell else repr(shorten(shell, 120))

@@ -184,7 +184,7 @@ def _put_back(
         if on_host is not None and on_host >= rec.size:
             continue  # the same, or the host's is longer: it wins (and was mirrored)
         if not check and (why := copy.verify(key)) is not None:
-            result.warnings.append(copy.set_aside(key, why))
+            copy.set_aside(key, why)  # its note joins the warnings once, with the copy's others
             continue
         name, _, rel = key.partition("/")
         plans.setdefault(name, Transfer()).send.append((rel, rec.size, rec.sha256, 0))

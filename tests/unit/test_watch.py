@@ -11,10 +11,10 @@ import io
 import json
 import os
 import signal
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from dflashops.config.load import load_inventory
 from dflashops.events import Event, EventLog
 from dflashops.hosts import connect
 from dflashops.lifecycle.watch import Watcher, outcome
-from tests.procs import alive, wait_for
+from tests.procs import Receiver, alive, wait_for
 
 
 def test_lost_after_shorter_than_the_interval_is_refused(
@@ -276,37 +276,10 @@ def test_a_playbook_that_does_not_load_stops_the_starting_not_the_looking(
         watcher.close()
 
 
-class Receiver:
-    """A local webhook: every POST body, parsed."""
-
-    def __init__(self) -> None:
-        self.notices: list[dict[str, Any]] = []
-        notices = self.notices
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                size = int(self.headers.get("Content-Length") or 0)
-                notices.append(json.loads(self.rfile.read(size)))
-                self.send_response(204)
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/T0K3N-w4tch"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_notices_go_to_the_hosts_webhook_and_its_url_is_never_shown(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hook = Receiver()
+    hook = Receiver("T0K3N-w4tch")
     monkeypatch.setenv("WATCH_HOOK", hook.url)
     inventory = project(tmp_path, notify={"webhook": "env:WATCH_HOOK"})
     events = tmp_path / "events.jsonl"
@@ -343,3 +316,26 @@ def test_watch_keeps_samples_for_the_dashboard(
     finally:
         store.close()
     assert [tuple(r) for r in rows] == [("job", "running", 0), ("job", "dead", 0)], rows
+
+
+def test_sigterm_ends_watch_as_ctrl_c_does(tmp_path: Path) -> None:
+    """Under nohup or a service manager SIGINT is often ignored: TERM must end it cleanly."""
+    inventory = project(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflashops.cli", "watch", "-i", str(inventory), "--interval", "1s"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith("watch: 1 host(s)"), first
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "watch stopped" in rest, rest
