@@ -485,7 +485,7 @@ def test_the_watch_section_explains_every_word_its_lines_use() -> None:
     said = {w: watch.LABELS.get(w, w) for w in words if w not in ("running", "done")}
     assert [label for label in said.values() if f"`{label}`" not in text] == []
     assert watch.SPANS in text
-    assert watch.refusal(60.0, 30.0) in text
+    assert str(watch.refusal(60.0, 30.0)) in text
 
 
 def test_the_identity_words_are_the_ones_status_json_gives() -> None:
