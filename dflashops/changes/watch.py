@@ -407,6 +407,16 @@ class Acted:
     busy: str | None = None  # another actor holds the host's deploy lock: who
     error: str | None = None  # the deploy failed on the host as a whole: why
     restored: Mapping[str, int] = field(default_factory=dict)  # kept job -> bytes restored
+    # kept job -> what its restore warned of (a copy refused and set aside, a longer output
+    # on the host kept): in its `restored` notice, so a person hears of it
+    warnings: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+def restored(job: str, result: Acted) -> Notice:
+    """A kept job's `restored` notice: bytes put back, and what the restore warned of (a copy
+    refused and set aside; a longer output on the host, kept, with both sizes)."""
+    warned = {"warnings": list(w)} if (w := result.warnings.get(job)) else {}
+    return Notice("restored", {"unit": job, "bytes": result.restored.get(job, 0), **warned})
 
 
 def acted(done: Step, result: Acted) -> Step:
@@ -414,7 +424,7 @@ def acted(done: Step, result: Acted) -> Step:
     (the look's were sent with the look): ``restored`` per job, ``redeployed`` when something
     started (with why: drift, rebooted, re-provisioned)."""
     h = done.history
-    notices = [Notice("restored", {"unit": j, "bytes": b}) for j, b in result.restored.items()]
+    notices = [restored(j, result) for j in sorted({*result.restored, *result.warnings})]
     if result.busy is not None:
         text = f"{done.seen}: not started, {result.busy}; watch tries again at its next call"
         return replace(done, status="waiting", text=text, notices=())

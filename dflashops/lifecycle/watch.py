@@ -89,6 +89,7 @@ def outcome(events: list[Event], result: Acted) -> Acted:
     started = []
     failed = dict(result.failed)
     restored = dict(result.restored)
+    warned: dict[str, tuple[str, ...]] = dict(result.warnings)
     for e in events:
         if e.unit is not None and e.status == "changed" and e.action in ("start", "restart"):
             started.append(e.unit)
@@ -96,7 +97,9 @@ def outcome(events: list[Event], result: Acted) -> Acted:
             failed[e.unit or str(e.data.get("entry") or "host")] = e.message
         elif e.action == "restore" and e.status == "changed" and e.unit is not None:
             restored[e.unit] = int(e.data.get("restored_bytes") or 0)
-    return Acted(tuple(started), failed, result.busy, result.error, restored)
+        elif e.action == "keep" and e.unit is not None and e.message.startswith("warning: "):
+            warned[e.unit] = (*warned.get(e.unit, ()), e.message.removeprefix("warning: "))
+    return Acted(tuple(started), failed, result.busy, result.error, restored, warned)
 
 
 class WatchRun(HostRun):

@@ -30,7 +30,9 @@ from dflashops.changes.watch import (
     History,
     Looked,
     Settings,
+    Step,
     UnitSeen,
+    acted,
     plan,
     refusal,
     step,
@@ -106,6 +108,27 @@ def test_what_a_deploys_events_say_it_did() -> None:
     got = outcome(events, Acted())
     assert got.started == ("gen",) and got.restored == {"gen": 7}
     assert got.failed == {"side": "start failed: no such file", "x": "files x: no space"}
+
+
+def test_a_restore_that_refused_a_copy_or_kept_a_longer_output_is_in_its_notice() -> None:
+    """Issue 22's bad input: a kept copy that does not match its record is refused, set aside
+    and notified; a longer output on the host wins, and a notice names both sizes."""
+    refused = "kept copy of out/a.jsonl refused: its sha256 is not the recorded f212f2273 (9 B)"
+    longer = "out/b.jsonl: the host's 12 bytes differ from the kept copy's 9; the host's is longer"
+    events = [
+        Event("h", "gen", "info", "keep", f"warning: {refused}"),
+        Event("h", "gen", "info", "keep", f"warning: {longer}"),
+        Event("h", "other", "changed", "restore", "restored 1 file(s)", data={"restored_bytes": 5}),
+        Event("h", "gen", "changed", "start", "started (pid 5)"),
+    ]
+    got = outcome(events, Acted())
+    assert got.warnings == {"gen": (refused, longer)} and got.restored == {"other": 5}
+    step = acted(Step(History(), "changed", "", deploy=("gen",), seen="1 gone"), got)
+    sent = [(n.event, dict(n.details)) for n in step.notices if n.event == "restored"]
+    assert sent == [
+        ("restored", {"unit": "gen", "bytes": 0, "warnings": [refused, longer]}),
+        ("restored", {"unit": "other", "bytes": 5}),
+    ]
 
 
 def test_the_files_watched_are_the_inventory_playbooks_and_templates(tmp_path: Path) -> None:
