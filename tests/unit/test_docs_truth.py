@@ -5,7 +5,9 @@ names in `needs`, the states table against `status --help`, the `status --json` 
 against the document, the install requirements, the INCIDENTS.md citations). Issue 22's
 reference tables follow the code: `keep` and `providers` fields against their models, the
 `inventory --list` fields against its document, watch's notices and the fields each carries,
-the words watch's lines use, the identity words of `status --json`."""
+the words watch's lines use, the identity words of `status --json`. Issue 23's: the `rolled
+back` row, rollback's refusals and deploy's re-apply line as the code makes them, the history
+--json fields, the dashboard's Prometheus series, the `metrics` reference, watch's samples."""
 
 from __future__ import annotations
 
@@ -22,15 +24,20 @@ import pytest
 import yaml
 from rich.console import Console
 
+from dflashops.agent.history_actions import KeptUnit, Revision
+from dflashops.agent.remote import job_metrics as host_metrics
 from dflashops.changes import watch
+from dflashops.changes.history import pick
 from dflashops.changes.identity import IDENTITIES
 from dflashops.commands import inventory, status
 from dflashops.commands.states import LEGEND
 from dflashops.commands.table import COMMANDS, Command, Option
 from dflashops.config.inventory import HostSettings, HostSpec, Providers, ProviderSpec
+from dflashops.config.job_metrics import JobMetrics
 from dflashops.config.load import load_inventory, load_playbook
 from dflashops.config.playbook import Keep
 from dflashops.config.providers import Endpoint
+from dflashops.dashboard.prom import exposition
 from dflashops.errors import ConfigError
 from dflashops.lifecycle.notices import EVENTS
 from dflashops.plan import build_plan
@@ -492,3 +499,52 @@ def test_the_identity_words_are_the_ones_status_json_gives() -> None:
     table = section(OPERATIONS, "### `status --json`")
     [row] = [line for line in table.splitlines() if line.startswith("| `hosts[].identity` |")]
     assert [word for word in IDENTITIES if f"`{word}`" not in row] == []
+
+
+# -- issue 23: history, rollback, job metrics, Prometheus, the dashboard -----------------------
+
+
+def test_the_rolled_back_row_says_what_status_and_deploy_say() -> None:
+    [row] = [r for r in section(OPERATIONS, "### States").splitlines() if "| `rolled back` |" in r]
+    legend = " ".join(LEGEND.split("rolled back", 1)[1].split("\n  lost", 1)[0].split())
+    assert "playbooks differ" in legend and "re-applies" in legend
+    assert "revision 1, playbooks differ" in row and "re-applies" in row, row
+    assert "dflashops deploy --check" in row
+
+
+def test_the_history_section_quotes_the_refusals_and_the_reapply_line_as_the_code_makes_them() -> (
+    None
+):
+    text = section(OPERATIONS, "## History and rollback")
+    kept = [Revision(revision=n, scripts=n >= 4) for n in range(13, 0, -1)]
+    pruned = pick(kept, 2, "local")
+    unknown = pick([Revision(revision=n, scripts=True) for n in (3, 2, 1)], 7, "local")
+    assert isinstance(pruned, str) and isinstance(unknown, str)
+    assert f"{pruned}; nothing was done" in text
+    assert f"{unknown}; nothing was done" in text
+    deploy_source = (REPO / "dflashops" / "lifecycle" / "deploy.py").read_text()
+    reapply = "the playbooks to what `dflashops rollback` left: "
+    assert reapply in deploy_source and f"would re-apply {reapply}" in text
+    for field in [*Revision.model_fields, *KeptUnit.model_fields]:
+        assert f"`{field}`" in text, f"history --json field {field} is not explained"
+
+
+def test_the_prometheus_table_has_every_series_the_dashboard_serves() -> None:
+    served = re.findall(r"^# TYPE (\S+) ", exposition(lambda: None).decode(), re.M)
+    table = table_keys(section(OPERATIONS, "## Prometheus"))
+    assert len(served) == 4 and sorted(table) == sorted(served)
+
+
+def test_the_metrics_reference_has_every_field_and_the_jobs_table_names_it() -> None:
+    text = section(REFERENCE, "### `metrics`: a job's own numbers")
+    assert table_keys(text) == list(JobMetrics.model_fields)
+    assert f"{host_metrics.MAX_BYTES // 1024} KiB" in text
+    assert "metrics" in table_keys(section(REFERENCE, "### Jobs"))
+
+
+def test_the_dashboard_section_says_watch_keeps_samples_and_shows_the_screenshot() -> None:
+    text = section(OPERATIONS, "## The dashboard")
+    assert "`dflashops watch` keeps samples in the same file" in text
+    assert "](img/dashboard.png)" in text and (REPO / "docs/img/dashboard.png").is_file()
+    watch_source = (REPO / "dflashops" / "commands" / "watch.py").read_text()
+    assert "Samples(path, events)" in watch_source  # what the sentence above stands on
