@@ -184,3 +184,12 @@ def test_no_function_outside_builtins_is_over_80_lines() -> None:
                 if lines > FUNCTION_LINES:
                     long[f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}"] = lines
     assert long == {}
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    """The test folders are not packages: two test_x.py stop the whole run at collection
+    ("import file mismatch"), which a run of one folder never shows."""
+    tests = PACKAGE.parent / "tests"
+    names = [p.name for p in tests.rglob("test_*.py")]
+    assert len(names) > 50
+    assert sorted({n for n in names if names.count(n) > 1}) == []
