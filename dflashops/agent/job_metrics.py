@@ -9,6 +9,7 @@ unit)`` gives one job's newest values as ``{name: float}``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -17,6 +18,9 @@ from pydantic import Field
 from dflashops.agent.answers import FactsModel
 from dflashops.agent.calling import SLACK, AgentError
 from dflashops.agent.client import Agent
+
+MAX_NAMES = 8  # metrics kept per job (a JSON-lines file may carry any number of keys)
+MAX_NAME_LEN = 64
 
 
 class UnitMetrics(FactsModel):
@@ -69,7 +73,9 @@ def read_ahead(
 
 def job_metrics(answer: MetricsAnswer | dict[str, Any] | None, unit: str) -> dict[str, float]:
     """One job's newest values (``{"loss": 0.42}``), from a ``MetricsAnswer`` or its raw JSON;
-    empty when the job declared none, reported none yet, or its file could not be read."""
+    empty when the job declared none, reported none yet, or its file could not be read.
+    Bounded: finite numbers only, the first ``MAX_NAMES`` names in sorted order, each name at
+    most ``MAX_NAME_LEN`` characters (a plot each: a file of 500 keys is not 500 plots)."""
     if answer is None:
         return {}
     if isinstance(answer, dict):
@@ -78,4 +84,9 @@ def job_metrics(answer: MetricsAnswer | dict[str, Any] | None, unit: str) -> dic
         except ValueError:
             return {}
     got = answer.units.get(unit)
-    return dict(got.values) if got is not None else {}
+    if got is None:
+        return {}
+    fine = sorted(
+        (k, v) for k, v in got.values.items() if len(k) <= MAX_NAME_LEN and math.isfinite(v)
+    )
+    return dict(fine[:MAX_NAMES])

@@ -1,14 +1,16 @@
 """The fleet, looked at again and again: what `top` refreshes and `dashboard` samples.
 
 Each look is one agent call per host (``probe`` with nvidia-smi: processes, health, the
-engines' /metrics, jobs' progress, supervisors' restarts) over an SSH connection and an agent
-session kept open between looks; a host that drops out is reconnected on the next look. The
+engines' /metrics, jobs' progress, supervisors' restarts; the ``job_metrics`` of jobs that
+declare ``metrics:`` ride with it) over an SSH connection and an agent session kept open
+between looks; a host that drops out is reconnected on the next look. The
 metric math (a vLLM counter's rate between two looks) is engines/metrics.Memory's; the state
 words are states.LEGEND's, read from one probe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -18,7 +20,9 @@ from typing import Any
 
 from rich.console import Console
 
+from dflashops.agent import job_metrics
 from dflashops.agent.answers import GpuFacts, ProbeResult, ProbeSpec, UnitProbe
+from dflashops.agent.calling import AgentError
 from dflashops.changes.verdicts import probe_spec
 from dflashops.commands.common import Target
 from dflashops.commands.status import Seen, recorded
@@ -42,6 +46,17 @@ class HostView:
     readings: dict[str, Reading] = field(default_factory=dict)
     state: str = "ok"  # ok | failed (it answered, the work could not be done) | unreachable
     tails: dict[str, str] = field(default_factory=dict)  # unit -> its log's end (asked for)
+    # job -> its own metrics' newest values (the jobs that declare `metrics:`)
+    metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+
+
+@dataclass
+class Look:
+    """What one host's look brought back."""
+
+    result: ProbeResult
+    tails: dict[str, str]
+    metrics: dict[str, dict[str, float]]
 
 
 class Watch:
@@ -95,7 +110,7 @@ class Watch:
                     ]
         return run
 
-    def _look(self, host: Host) -> tuple[ProbeResult, dict[str, str]]:
+    def _look(self, host: Host) -> Look:
         try:
             run = self._run(host)
             specs = [probe_spec(r, run.resolved.values, metrics=True) for r in run.rendered]
@@ -105,12 +120,21 @@ class Watch:
                 for s in self.recorded.get(host.name, [])
             ]
             run.agent.keep = self.keep
+            declared = job_metrics.specs(run.rendered)
+            answers: list[job_metrics.MetricsAnswer] = []
+            if self.keep:  # rides with the probe: no round trip of its own
+                job_metrics.read_ahead(run.agent, host.workdir, declared, answers.append)
             result = run.agent.observe(host.workdir, specs)
+            if declared and not self.keep:
+                with contextlib.suppress(AgentError):  # a plot misses a point; the look goes on
+                    answers.append(job_metrics.read(run.agent, host.workdir, declared))
             wanted = self.tails(host.name) if self.tails is not None else []
             tails = {
                 unit: run.agent.tail(host.workdir, unit, lines=TAIL_LINES).text for unit in wanted
             }
-            return result, tails
+            got = answers[0] if answers else None
+            values = {d["name"]: job_metrics.job_metrics(got, d["name"]) for d in declared}
+            return Look(result, tails, {k: v for k, v in values.items() if v})
         except DflashopsError:
             self.drop(host.name)  # reconnect next time: the host may come back
             raise
@@ -133,7 +157,8 @@ class Watch:
             state = "failed" if outcome.reached or outcome.unexpected else "unreachable"
             view = HostView(error=outcome.reason, state=state)
             if outcome.value is not None:
-                view.result, view.tails = outcome.value
+                look = outcome.value
+                view.result, view.tails, view.metrics = look.result, look.tails, look.metrics
                 view.state = "ok"
                 at = view.result.time or time.time()
                 for s in self.seen(name):

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
 from dflashops.commands.states import STYLE
-from dflashops.dashboard.plots import MAX_SERIES, Series, plot
+from dflashops.dashboard.plots import MAX_SERIES, Series, number, plot
 from dflashops.dashboard.sample import Sample, UnitSample
 from dflashops.dashboard.sampler import Sampler
 from dflashops.dashboard.store import Point
@@ -28,6 +28,8 @@ EVENTS = 40
 MIN_SPAN = 60.0  # s: the shortest time axis
 STATIC = ("index.html", "app.js", "style.css")
 TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css"}
+MAX_JOB_PLOTS = 16  # of jobs' own metrics (a plot per job and metric); the rest are counted
+Curves = dict[tuple[str, str], dict[str, list[tuple[float, float]]]]  # Store.job_metrics
 
 
 def static(name: str) -> tuple[bytes, str] | None:
@@ -47,6 +49,7 @@ def document(sampler: Sampler, window: str, now: float | None = None) -> dict[st
     drawn = Drawn.of(sample)
     points: list[Point] = []
     total: list[tuple[float, float]] = []
+    curves: Curves = {}
     size, since = sampler.interval, clock - MIN_SPAN
     if sampler.store is not None:
         try:
@@ -54,6 +57,7 @@ def document(sampler: Sampler, window: str, now: float | None = None) -> dict[st
             _, size = sampler.store.level(since, clock, sampler.interval)
             points = sampler.store.points(since, clock, size, drawn.keys())
             total = sampler.store.fleet(since, clock, size)
+            curves = sampler.store.job_metrics(since, clock, size, drawn.measured)
         except Exception as exc:  # sqlite3.Error and a file gone: the tables still show
             sampler.say(f"plots not read from {sampler.store.path}: {exc}")
     gap = 3 * max(size, sampler.interval)
@@ -71,7 +75,10 @@ def document(sampler: Sampler, window: str, now: float | None = None) -> dict[st
             {"time": e.time, "host": e.host, "unit": e.unit, "what": e.what, "text": e.text}
             for e in sampler.events(EVENTS)
         ],
-        "plots": plots(points, total, drawn, sample, since, clock, gap),
+        "plots": {
+            **plots(points, total, drawn, sample, since, clock, gap),
+            "job-metrics": job_plots(curves, sample, since, clock, gap),
+        },
     }
 
 
@@ -165,6 +172,7 @@ class Drawn:
     gpus: list[tuple[str, str]]
     jobs: list[tuple[str, str]]
     more: tuple[int, int, int]
+    measured: list[tuple[str, str]] = field(default_factory=list)  # jobs with their own metrics
 
     @classmethod
     def of(cls, sample: Sample | None) -> Drawn:
@@ -182,10 +190,33 @@ class Drawn:
             gpus[:MAX_SERIES],
             jobs[:MAX_SERIES],
             (left(servers), left(gpus), left(jobs)),
+            sorted((u.host, u.unit) for u in units(sample, "job") if u.metrics),
         )
 
     def keys(self) -> set[tuple[str, str]]:
         return {*self.servers, *self.gpus, *self.jobs}
+
+
+def job_plots(curves: Curves, sample: Sample | None, since: float, until: float, gap: float) -> str:
+    """A plot per job and metric it reports (``job gen: loss``), a series per host running
+    it, named in text with its newest value; at most ``MAX_JOB_PLOTS`` (a line counts the
+    rest). The metrics are those of the last look (a job that stopped reporting one drops it)."""
+    newest: dict[tuple[str, str], dict[str, float]] = {}  # (job, metric) -> host -> value
+    for u in units(sample, "job"):
+        for name, value in u.metrics.items():
+            newest.setdefault((u.unit, name), {})[u.host] = value
+    figures = []
+    for job, name in sorted(newest)[:MAX_JOB_PLOTS]:
+        series = [
+            Series(f"{host}/{job}", curves.get((host, job), {}).get(name, []), number(value))
+            for host, value in sorted(newest[(job, name)].items())
+        ]
+        title = f"job {job}: {name}"
+        figures.append(plot(f"job-{job}-{name}", title, series, since, until, gap=gap))
+    left = len(newest) - MAX_JOB_PLOTS
+    if left > 0:
+        figures.append(f'<p class="dim">and {left} more job metrics, not drawn</p>')
+    return "".join(figures)
 
 
 def plots(

@@ -58,7 +58,7 @@ def clock(t: float, span: float) -> str:
 
 
 def number(value: float) -> str:
-    if value >= 1000:
+    if abs(value) >= 1000:
         return f"{value / 1000:.3g}k"
     return f"{value:.3g}"
 
@@ -102,9 +102,11 @@ def plot(
     shown = series[:MAX_SERIES]
     values = [v for s in shown for _, v in (*s.points, *s.projection)]
     high = top if top is not None else nice_max(max(values, default=0.0))
+    # A job's own metric may be below 0 (a reward): the axis then reaches a round number below.
+    low = min(0.0, -nice_max(-min(values)) if values and min(values) < 0 else 0.0)
     x = Scale(since, until, LEFT, WIDTH - RIGHT)
-    y = Scale(0.0, high, HEIGHT - BOTTOM, TOP)
-    body = [f"<title>{escape(title)}</title>", *axes(x, y, since, until, high, unit)]
+    y = Scale(low, high, HEIGHT - BOTTOM, TOP)
+    body = [f"<title>{escape(title)}</title>", *axes(x, y, since, until, (low, high), unit)]
     drawn = 0
     legend = []
     for i, s in enumerate(shown):
@@ -146,15 +148,18 @@ def plot(
     )
 
 
-def axes(x: Scale, y: Scale, since: float, until: float, high: float, unit: str) -> list[str]:
+def axes(
+    x: Scale, y: Scale, since: float, until: float, bounds: tuple[float, float], unit: str
+) -> list[str]:
     out = []
+    low, high = bounds
     for i in range(5):
-        v = high * i / 4
+        v = low + (high - low) * i / 4
         py = y(v)
         out.append(
             f'<line class="grid" x1="{LEFT}" x2="{WIDTH - RIGHT}" y1="{py:.1f}" y2="{py:.1f}"/>'
         )
-        label = f"{number(v)}{unit}" if i else f"0{unit}"
+        label = f"{number(v)}{unit}" if v else f"0{unit}"
         out.append(
             f'<text class="axis" x="{LEFT - 4}" y="{py + 4:.1f}" text-anchor="end">'
             f"{escape(label)}</text>"

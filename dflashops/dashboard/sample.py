@@ -43,6 +43,8 @@ class UnitSample:
     rate: float | None = None  # per second
     eta: float | None = None  # seconds
     failed: float | None = None
+    # A job's own metrics (`metrics:` in its playbook), newest values: {"loss": 0.42}.
+    metrics: dict[str, float] = field(default_factory=dict, hash=False)
 
     @property
     def up(self) -> bool:
@@ -127,6 +129,7 @@ def of_watch(watch: Watch, at: float | None = None) -> Sample:
                     kv=m.kv if m else None,
                     gpu=util if s.gpus else None,
                     gpu_mem=mem if s.gpus else None,
+                    metrics=view.metrics.get(s.name, {}),
                     **progress(prog),
                 )
             )

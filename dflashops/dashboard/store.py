@@ -8,7 +8,9 @@ averages of the numbers, a state seen in the bucket, the most restarts. A plot a
 ones for the time since that copy's last bucket, so it reaches now. Full resolution (and the
 10 s copy) is kept for a day (``RAW_S``, or less with a shorter ``keep``); the other copies
 and the events for ``keep`` (7 days by default). Several writers (dashboard, watch) may share
-the file: WAL mode, a busy timeout, and every write idempotent (INSERT OR REPLACE).
+the file: WAL mode, a busy timeout, and every write idempotent (INSERT OR REPLACE). Jobs' own
+metrics (one row per job, metric and sample: ``job_points``) are kept the same way, with one
+coarse copy (minute averages, ``job_m1``) for ``keep``.
 
 A file that is not a database, or is damaged, or stays locked past the busy timeout, is moved
 aside (``samples.sqlite.corrupt-UTC``, with its -wal and -shm) and a new one is started;
@@ -46,6 +48,9 @@ LEVELS = (
     ("m30", 1800, "m5", False),
 )
 COLUMNS = ("t", "series", "state", "restarts", *NUMBERS)
+# Jobs' own metrics (UnitSample.metrics): full resolution in `job_points` for the day, like
+# `points`; one coarse copy (minute averages) for ``keep``.
+JOB_COARSE, JOB_BUCKET = "job_m1", 60
 
 TABLE = """CREATE TABLE IF NOT EXISTS {name} (
     t INTEGER NOT NULL, series INTEGER NOT NULL, state TEXT, restarts INTEGER,
@@ -62,6 +67,12 @@ SCHEMA_SQL = (
     """CREATE TABLE IF NOT EXISTS events (
         t REAL NOT NULL, host TEXT NOT NULL, unit TEXT, what TEXT NOT NULL, text TEXT NOT NULL)""",
     "CREATE INDEX IF NOT EXISTS events_t ON events (t)",
+    *(
+        f"""CREATE TABLE IF NOT EXISTS {name} (
+            t INTEGER NOT NULL, series INTEGER NOT NULL, name TEXT NOT NULL, value REAL NOT NULL,
+            PRIMARY KEY (t, series, name)) WITHOUT ROWID"""
+        for name in ("job_points", JOB_COARSE)
+    ),
 )
 
 
@@ -170,6 +181,10 @@ class Store:
                 f"INSERT OR REPLACE INTO points ({', '.join(COLUMNS)}) VALUES ({marks})", rows
             )
             self.db.executemany(
+                "INSERT OR REPLACE INTO job_points (t, series, name, value) VALUES (?, ?, ?, ?)",
+                [(t, self._series(u), k, v) for u in sample.units for k, v in u.metrics.items()],
+            )
+            self.db.executemany(
                 "INSERT INTO events (t, host, unit, what, text) VALUES (?, ?, ?, ?, ?)",
                 [(e.time, e.host, e.unit, e.what, e.text) for e in events],
             )
@@ -209,6 +224,18 @@ class Store:
                 FROM {source} WHERE t >= ? AND t < ? GROUP BY b, series""",
                 (start, end),
             )
+        self._roll_up_jobs(now)
+
+    def _roll_up_jobs(self, now: float) -> None:
+        size = JOB_BUCKET * 1000
+        last = self.db.execute(f"SELECT max(t) FROM {JOB_COARSE}").fetchone()[0]
+        start = (last if last is not None else 0) // size * size
+        self.db.execute(
+            f"""INSERT OR REPLACE INTO {JOB_COARSE} (t, series, name, value)
+            SELECT (t / {size}) * {size} AS b, series, name, avg(value) FROM job_points
+            WHERE t >= ? AND t < ? GROUP BY b, series, name""",
+            (start, ms(now) // size * size),
+        )
 
     def _prune(self, now: float) -> None:
         cutoff = ms(now - self.keep)
@@ -217,6 +244,8 @@ class Store:
         for table, _, _, brief in LEVELS:
             self.db.execute(f"DELETE FROM {table} WHERE t < ?", (short if brief else cutoff,))
         self.db.execute("DELETE FROM events WHERE t < ?", (now - self.keep,))
+        self.db.execute("DELETE FROM job_points WHERE t < ?", (short,))
+        self.db.execute(f"DELETE FROM {JOB_COARSE} WHERE t < ?", (cutoff,))
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -244,6 +273,42 @@ class Store:
                 GROUP BY b, p.series ORDER BY b"""
             found = self.db.execute(query, rows[1]).fetchall()
         return [Point(r[0] / 1000, *r[1:]) for r in found]
+
+    def job_metrics(
+        self,
+        since: float,
+        until: float,
+        bucket: float = 0.0,
+        units: Collection[tuple[str, str]] | None = None,
+    ) -> dict[tuple[str, str], dict[str, list[tuple[float, float]]]]:
+        """The jobs' own metrics of ``units`` ((host, unit) pairs; None: every one) from
+        ``since`` to ``until``: {(host, unit): {name: [(t, value averaged per bucket)]}}.
+        Past the day of full resolution, the minute copy, then full resolution after it."""
+        out: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
+        with self.lock:
+            ids = None if units is None else [self.series[k] for k in units if k in self.series]
+            if ids is not None and not ids:
+                return out
+            only = "" if ids is None else f" AND series IN ({', '.join(str(int(i)) for i in ids)})"
+            step = max(1, ms(max(bucket, (until - since) / POINTS)))
+            parts, params, start = [], [], ms(since)
+            if since < until - min(self.keep, RAW_S) - 1:
+                last = self.db.execute(f"SELECT max(t) FROM {JOB_COARSE}").fetchone()[0]
+                end = (
+                    start if last is None else min(max(start, last + JOB_BUCKET * 1000), ms(until))
+                )
+                parts.append(f"SELECT * FROM {JOB_COARSE} WHERE t >= ? AND t < ?{only}")
+                params += [start, end]
+                start = end
+            parts.append(f"SELECT * FROM job_points WHERE t >= ? AND t <= ?{only}")
+            params += [start, ms(until)]
+            query = f"""SELECT (p.t / {step}) * {step} AS b, s.host, s.unit, p.name, avg(p.value)
+                FROM ({" UNION ALL ".join(parts)}) AS p JOIN series AS s ON s.id = p.series
+                GROUP BY b, p.series, p.name ORDER BY b"""
+            found = self.db.execute(query, params).fetchall()
+        for b, host, unit, name, value in found:
+            out.setdefault((host, unit), {}).setdefault(name, []).append((b / 1000, value))
+        return out
 
     def fleet(self, since: float, until: float, bucket: float = 0.0) -> list[tuple[float, float]]:
         """The fleet's throughput: (time, tok/s summed over every server's average in that

@@ -2,7 +2,8 @@
 driven by selenium) against the sshd test fleet: two stub services and a job deployed for
 real, the dashboard started as a user starts it (its own process, stopped with Ctrl-C).
 
-The page shows the units and their states; a plot is drawn (an SVG path with points); killing
+The page shows the units and their states; a plot is drawn (an SVG path with points), and one
+for a job's own metric (its loss, read from its log by `metrics:`); killing
 a unit's engine makes a restart appear without a reload; with a token, a request without it is
 401 and the page opens with it. /metrics is parsed with prometheus_client's parser.
 ``DFLASHOPS_SCREENSHOT=1`` saves the page as docs/img/dashboard.png (the operations guide
@@ -42,6 +43,10 @@ PROGRESS = (
     'printf \'{"done": %d, "total": 600, "requests_per_s": 2.0, "eta_s": %d, "state": "running"}\' '
     '"$i" "$((600 - i))" > "$DFLASHOPS_PROGRESS_FILE"; sleep 0.5; done'
 )
+
+# A trainer that logs its loss; its playbook's `metrics: {log: ...}` makes the page plot it.
+LOSS = 'for i in $(seq 1 600); do echo "step $i loss=0.$((9 - i % 9))"; sleep 0.5; done'
+LOSS_METRICS = {"log": "loss=(?P<loss>[0-9.]+)"}
 
 
 def browser_or_skip(profile: Path) -> Any:
@@ -161,7 +166,7 @@ def load(ports: list[int]) -> Iterator[None]:
 
 def deployed(ctl: Ops) -> None:
     """alpha and beta on h1 and h2 (each host its own ports: their engines share loopback),
-    and a job that writes its progress."""
+    a job that writes its progress and one that logs its loss."""
     ctl.playbook(
         "dash",
         {
@@ -175,7 +180,7 @@ def deployed(ctl: Ops) -> None:
                 ),
                 stub("beta", "{{ beta_port }}", env=SPEED),
             ],
-            "jobs": [job("crunch", PROGRESS)],
+            "jobs": [job("crunch", PROGRESS), job("trainer", LOSS, metrics=LOSS_METRICS)],
         },
     )
     res = ctl.run("deploy")
@@ -250,6 +255,15 @@ def test_the_page_shows_the_fleet_and_a_restart_without_a_reload(
         legend = text(browser, "#plot-jobs figcaption")
         assert "h1/crunch" in legend and "ETA" in legend  # each series named in text
         assert "fleet" in text(browser, "#plot-fleet figcaption")
+
+        def loss_drawn() -> bool:
+            points = attribute(browser, "#plot-job-trainer-loss path.series", "data-points")
+            return int(points or 0) >= 2
+
+        wait_for("the trainer's loss plot to have points", loss_drawn, 30)
+        assert text(browser, "#plot-job-trainer-loss h3") == "job trainer: loss"
+        legend = text(browser, "#plot-job-trainer-loss figcaption")
+        assert "h1/trainer" in legend and "h2/trainer" in legend  # each host's series, in text
         wait_for(
             "throughput on the page",
             lambda: cell(browser, "servers", "h1", "beta-0", 3) not in ("", "0", "-"),

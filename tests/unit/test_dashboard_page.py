@@ -97,7 +97,8 @@ def test_the_document_has_the_fleet_jobs_events_and_plots(tmp_path: Path) -> Non
     (job_row,) = doc["jobs"]
     assert job_row["progress"] == "48%" and job_row["eta"] == "1m00s" and job_row["ratio"] > 0.4
     assert doc["fleet"]["tok_s"] == "129" and doc["hosts"][0]["state"] == "ok"
-    assert set(doc["plots"]) == {"fleet", "servers", "jobs", "gpu"}
+    assert set(doc["plots"]) == {"fleet", "servers", "jobs", "gpu", "job-metrics"}
+    assert doc["plots"]["job-metrics"] == ""  # no job reports metrics of its own
     assert "h1/gen" in doc["plots"]["jobs"] and "ETA 1m00s" in doc["plots"]["jobs"]
     assert 'class="projection"' in doc["plots"]["jobs"]  # dashed to 100% at the ETA
     assert 'data-points="30"' in doc["plots"]["fleet"]  # a young dashboard: every sample
@@ -153,3 +154,44 @@ def test_a_plot_draws_the_busiest_servers_and_counts_the_rest(tmp_path: Path) ->
     servers = page.document(sampler, "1h", now=T0 + 1)["plots"]["servers"]
     assert "and 2 more, not drawn" in servers
     assert "h1/s11" in servers and "h1/s02" in servers and "h1/s01" not in servers
+
+
+def test_a_job_with_its_own_metrics_has_a_plot_per_metric(tmp_path: Path) -> None:
+    store = Store(tmp_path / "samples.sqlite")
+    sampler = a_sampler(store)
+    for i in range(20):
+        values = {"loss": 1.0 - 0.04 * i, "reward": -2.0 + 0.1 * i}
+        look = Sample(
+            T0 + 2 * i,
+            [HostSample("h1", "ok"), HostSample("h2", "ok")],
+            [
+                UnitSample("h1", "gen", "job", "job", "running", metrics=values),
+                UnitSample("h2", "gen", "job", "job", "running", metrics={"loss": 0.9}),
+                UnitSample("h1", "plain", "job", "job", "running"),
+            ],
+        )
+        store.add(look)
+        sampler.latest = look
+    html = page.document(sampler, "15m", now=T0 + 40)["plots"]["job-metrics"]
+    figures = re.findall(r'<figure class="plot" id="plot-([^"]+)"><h3>([^<]+)</h3>', html)
+    assert figures == [("job-gen-loss", "job gen: loss"), ("job-gen-reward", "job gen: reward")]
+    loss = html[: html.index('id="plot-job-gen-reward"')]
+    # Each host's series named in text with its newest value, drawn from the kept samples.
+    assert "h1/gen <b>0.24</b>" in loss and "h2/gen <b>0.9</b>" in loss
+    assert re.search(r'data-points="20" d="M', loss)
+    reward = html[html.index('id="plot-job-gen-reward"') :]
+    assert ">-2</text>" in reward  # a metric below 0: the axis reaches a round number below
+    assert "plain" not in html
+
+
+def test_job_metric_plots_are_bounded(tmp_path: Path) -> None:
+    sampler = a_sampler(Store(tmp_path / "samples.sqlite"))
+    metrics = {f"m{i}": float(i) for i in range(8)}
+    sampler.latest = Sample(
+        T0,
+        [HostSample("h1", "ok")],
+        [UnitSample("h1", f"j{k}", "job", "job", "running", metrics=metrics) for k in range(3)],
+    )
+    html = page.document(sampler, "1h", now=T0 + 1)["plots"]["job-metrics"]
+    assert html.count("<figure") == page.MAX_JOB_PLOTS
+    assert f"and {24 - page.MAX_JOB_PLOTS} more job metrics, not drawn" in html

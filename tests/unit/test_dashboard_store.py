@@ -153,3 +153,57 @@ def test_the_sampler_thread_and_the_servers_threads_share_it(tmp_path: Path) -> 
         r.join()
     assert errors == []
     assert len(store.points(T0, T0 + 200)) == 200
+
+
+def trained(t: float, loss: float) -> Sample:
+    """A job that reports its own metrics (`metrics:` in its playbook), beside one that does not."""
+    return Sample(
+        t,
+        [HostSample("h1", "ok")],
+        [
+            UnitSample("h1", "gen", "job", "job", "running", metrics={"loss": loss, "lr": 1e-4}),
+            UnitSample("h1", "other", "job", "job", "running"),
+        ],
+    )
+
+
+def test_jobs_own_metrics_are_kept_and_read_back_per_unit(tmp_path: Path) -> None:
+    store = Store(tmp_path / "samples.sqlite")
+    for i in range(10):
+        store.add(trained(T0 + 2 * i, 1.0 - 0.1 * i))
+    got = store.job_metrics(T0, T0 + 18, units={("h1", "gen"), ("h1", "other")})
+    assert set(got) == {("h1", "gen")}  # "other" reports none: nothing kept of it
+    assert [v for _, v in got[("h1", "gen")]["loss"]] == pytest.approx(
+        [1.0 - 0.1 * i for i in range(10)]
+    )
+    assert got[("h1", "gen")]["lr"][0] == (T0, 1e-4)
+    # Averaged per bucket, and only the window asked for.
+    loss = store.job_metrics(T0 + 4, T0 + 11, 4.0)[("h1", "gen")]["loss"]
+    assert [t for t, _ in loss] == [T0 + 4, T0 + 8] and loss[0][1] == pytest.approx(0.75)
+    assert store.job_metrics(T0, T0 + 18, units={("h9", "gen")}) == {}
+    # A second store on the file (the dashboard restarted) reads them too.
+    assert ("h1", "gen") in Store(tmp_path / "samples.sqlite").job_metrics(T0, T0 + 18)
+
+
+def test_jobs_own_metrics_go_by_age_and_a_week_reads_the_minute_copy(tmp_path: Path) -> None:
+    store = Store(tmp_path / "samples.sqlite", keep=7 * 86400.0)
+    for i in range(0, 600, 2):  # ten minutes at 2 s
+        store.pruned = 0.0
+        store.add(trained(T0 + i, float(i // 60)))
+    assert store.db.execute("SELECT count(*) FROM job_m1").fetchone()[0] >= 2 * 9
+    store.pruned = 0.0
+    later = T0 + RAW_S + 1200
+    store.add(trained(later, 0.5))  # a day on: full resolution of the first minutes is gone
+    raw = store.db.execute("SELECT min(t) FROM job_points").fetchone()[0]
+    assert raw == int(later * 1000)
+    week = store.job_metrics(later - 2 * 86400, later)[("h1", "gen")]["loss"]
+    # The minute copy of the first minutes (averaged in buckets of 2 days / 300), then now's.
+    assert week[0][0] <= T0 and 0.0 < week[0][1] < 9.0 and week[-1][1] == 0.5
+    store.pruned = 0.0
+    store.add(trained(T0 + 8 * 86400, 0.1))  # the first minutes are past keep: gone
+    first = store.db.execute("SELECT min(t) FROM job_m1").fetchone()[0]
+    assert first == int(later * 1000) // 60000 * 60000  # the minute of `later` stays
+    assert [v for _, v in store.job_metrics(T0, T0 + 9 * 86400)[("h1", "gen")]["loss"]] == [
+        0.5,
+        0.1,
+    ]

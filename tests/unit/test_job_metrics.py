@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflashops.agent.job_metrics import MetricsAnswer, job_metrics
+from dflashops.agent.job_metrics import MAX_NAMES, MetricsAnswer, job_metrics
 from dflashops.agent.remote import job_metrics as host
 from tests.conftest import WriteTree, run_cli
 
@@ -85,6 +85,16 @@ def test_the_action_answers_per_unit_and_job_metrics_reads_it(tmp_path: Path) ->
     assert job_metrics(answer, "train") == {"reward": 1.0}
     assert answer.units["train"].skipped == 1
     assert job_metrics(answer, "other") == {} and job_metrics(None, "train") == {}
+
+
+def test_job_metrics_keeps_a_few_names_and_finite_numbers_only() -> None:
+    """A JSON-lines file may carry any number of keys: the dashboard plots each, so it is
+    bounded (MAX_NAMES, sorted: the same ones each look)."""
+    values = {f"k{i:02d}": float(i) for i in range(40)}
+    values["inf"] = float("inf")
+    values["x" * 200] = 1.0
+    got = job_metrics({"units": {"t": {"values": values}}}, "t")
+    assert list(got) == [f"k{i:02d}" for i in range(MAX_NAMES)]
 
 
 BOOK = """

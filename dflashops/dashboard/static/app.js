@@ -127,7 +127,7 @@ function place(doc) {
   for (const e of doc.events) events.appendChild(eventItem(e));
   if (!doc.events.length) events.appendChild(el("li", "nothing happened yet", "dim"));
   document.getElementById("events").replaceWith(events);
-  for (const name of ["fleet", "servers", "jobs", "gpu"]) {
+  for (const name of ["fleet", "servers", "jobs", "gpu", "job-metrics"]) {
     // Drawn and escaped by the server (dashboard/plots.py).
     document.getElementById("plot-" + name + "-slot").innerHTML = doc.plots[name];
   }
