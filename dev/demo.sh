@@ -35,11 +35,13 @@ print(next((u["state"] for u in json.load(sys.stdin)["units"]), "?"))' || true)
 done
 $D status --host local
 $D top --once --host local
+$D watch --once --host local  # the control loop's one tick: every unit is where it should be
 # The fleet on one page, with plots over time: the command to run it (the demo opens nothing).
 echo "demo: the dashboard: $D dashboard --host local  (then open http://127.0.0.1:8765/)"
 $D logs generate --host local --lines 3
 $D unlock --host local  # the deploy lock: free, and who held it last
 $D stop --host local
+$D history --host local  # what was deployed and stopped, by whom, with which units
 # keep: the generator's outputs, mirrored off the host by deploy and stop (the same files).
 kept=.dflashops/keep/local/generate/completions
 echo "demo: kept copy of the generator's output: $(du -sh "$kept" | cut -f1) in $kept," \
