@@ -217,8 +217,10 @@ def test_generate_on_one_host_train_on_another_after_the_job_is_done(
     assert copied["status"] == "changed" and "sent 2 file(s)" in copied["message"]
     assert sorted(p.name for p in dest.iterdir()) == ["shard-0.jsonl", "shard-1.jsonl"]
     assert res.of("train", action="start", status="changed"), res.explain()
-    wait_for("training to read the data", lambda: (train.dir / "trained.txt").exists())
-    assert (train.dir / "trained.txt").read_text().split() == ["shard-0.jsonl", "shard-1.jsonl"]
+    # The shell makes trained.txt (empty) before ls writes to it: wait for what ls wrote.
+    trained = train.dir / "trained.txt"
+    wait_for("training to read the data", lambda: trained.exists() and trained.read_text())
+    assert trained.read_text().split() == ["shard-0.jsonl", "shard-1.jsonl"]
 
 
 def test_nothing_is_copied_from_a_failed_job(
