@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import yaml
 
@@ -35,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.procs, shared by the test helpers
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
+from browser import headless_chromium  # noqa: E402
 from fleet import Fleet, sshd_unavailable_reason  # noqa: E402
 
 from dflashops.cli import main as dflashops  # noqa: E402
@@ -186,30 +185,6 @@ def week(store: Store, hosts: int) -> Sample:
     return last
 
 
-def browser(profile: Path) -> Any | None:
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        return None
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if chromium is None or driver is None:
-        return None
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        f"--user-data-dir={profile}",
-        "--window-size=1400,1700",
-    ):
-        options.add_argument(flag)
-    return webdriver.Chrome(options=options, service=Service(executable_path=driver))
-
-
 def rendering(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "samples.sqlite")
@@ -232,11 +207,9 @@ def rendering(args: argparse.Namespace) -> None:
             print(
                 f"  document for the {window} window: {(time.perf_counter() - t0) * 1000:.0f} ms (server)"
             )
-        driver = browser(Path(tmp) / "profile")
-        if driver is None:
-            print(
-                "page render in the browser: not measured (no chromium/chromedriver/selenium: bash dev/browser.sh)"
-            )
+        driver = headless_chromium(Path(tmp) / "profile")
+        if isinstance(driver, str):
+            print(f"page render in the browser: not measured ({driver})")
             return
         server = Dashboard(("127.0.0.1", 0), sampler, None)
         thread = threading.Thread(target=server.serve_forever, daemon=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from browser import headless_chromium
 from fleet import FleetFactory
 from lifecycle_helpers import Ops, engine_pid, job, stub
 
@@ -50,30 +50,12 @@ LOSS_METRICS = {"log": "loss=(?P<loss>[0-9.]+)"}
 
 
 def browser_or_skip(profile: Path) -> Any:
-    """A headless Chromium under chromedriver, with a fresh profile in ``profile``."""
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError:
-        missing("selenium is not installed: bash dev/setup.sh dev")
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if chromium is None or driver is None:
-        missing("chromium or chromedriver is missing: bash dev/browser.sh installs them")
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-dev-shm-usage",
-        f"--user-data-dir={profile}",
-        "--window-size=1400,1700",
-    ):
-        options.add_argument(flag)
-    return webdriver.Chrome(options=options, service=Service(executable_path=driver))
+    """A headless Chromium with a fresh profile in ``profile`` (skipped locally without one,
+    failed under CI=true)."""
+    driver = headless_chromium(profile)
+    if isinstance(driver, str):
+        missing(driver)
+    return driver
 
 
 @pytest.fixture
