@@ -31,12 +31,11 @@ from dflashops.agent import Agent
 from dflashops.agent.answers import FactsModel
 from dflashops.agent.reading import Frames
 from dflashops.agent.remote.common import write_atomic
-from dflashops.agent.remote.keep import TAIL
+from dflashops.agent.remote.keep import TAIL, hash_range
 from dflashops.agent.transfer import _Landing, _Part, landing_problem
 from dflashops.errors import TransferError
 from dflashops.hosts.untrusted import HostileHost, check_listing, path_problem
 
-CHUNK = 1 << 20
 SHA_HEX = frozenset("0123456789abcdef")
 # Hash states of copies this process wrote: local path -> (size, sha256, state). An append
 # carries the whole file's sha256 on without reading what was kept already (watch, for days).
@@ -60,20 +59,11 @@ def utc_stamp() -> str:
 def sha_of(path: Path, start: int, end: int, into: Any = None) -> Any | None:
     """A sha256 state over bytes [start, end) of ``path`` (``into`` continues one); None when
     the file is missing or shorter."""
-    h = into if into is not None else hashlib.sha256()
     try:
         with open(path, "rb") as f:
-            f.seek(start)
-            left = end - start
-            while left:
-                chunk = f.read(min(left, CHUNK))
-                if not chunk:
-                    return None
-                h.update(chunk)
-                left -= len(chunk)
+            return hash_range(f, start, end, into)
     except OSError:
         return None
-    return h
 
 
 class KeptCopy:

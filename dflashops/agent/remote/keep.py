@@ -76,9 +76,16 @@ def check(request: Json) -> None:
 
 def sha_range(f: BinaryIO, start: int, end: int) -> str | None:
     """sha256 of bytes [start, end) of ``f``; None when the file ends before ``end``."""
+    h = hash_range(f, start, end)
+    return None if h is None else h.hexdigest()
+
+
+def hash_range(f: BinaryIO, start: int, end: int, into: Any = None) -> Any:
+    """A sha256 state over bytes [start, end) of ``f`` (``into`` continues one); None when
+    the file ends before ``end``. The controller hashes its copy with it too: one rule."""
     import hashlib
 
-    h = hashlib.sha256()
+    h = into if into is not None else hashlib.sha256()
     f.seek(start)
     left = end - start
     while left:
@@ -87,7 +94,7 @@ def sha_range(f: BinaryIO, start: int, end: int) -> str | None:
             return None
         h.update(chunk)
         left -= len(chunk)
-    return h.hexdigest()
+    return h
 
 
 def decide(f: BinaryIO, st: os.stat_result, rec: Json | None, mode: str) -> str:
